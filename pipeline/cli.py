@@ -1,0 +1,113 @@
+"""The `quantdrift` console script: a thin Hydra wrapper around ``run(cfg)``.
+
+    quantdrift [overrides]                      evaluate one variant (default command)
+    quantdrift -m variant=a,b,c [overrides]     a sweep, one Hydra job per variant
+    quantdrift report|bench|prepare [overrides]
+    quantdrift corpus variant=NAME file=PATH ctx=512 [json=true]
+
+Exit codes: 0 done; 2 bad input or configuration (the message says which and what was expected);
+3 the run finished but at least one variant failed (the report lists it).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from pipeline.config import PROJECT_ROOT, Config, ConfigError, register_resolvers
+
+log = logging.getLogger("quantdrift")
+
+SUBCOMMANDS = ("evaluate", "report", "corpus", "bench", "prepare")
+_CORPUS_SHORTHAND = ("file", "ctx", "json", "max_chunks")
+EXIT_BAD_INPUT = 2
+EXIT_VARIANT_FAILED = 3
+
+_exit_code = 0
+
+
+def run(cfg: Config) -> int:
+    """Run one command on a typed config; returns the exit code. Tests call this directly."""
+    from pipeline.offline import configure
+    from pipeline.prepare import classify_source
+
+    kind, _ = classify_source(cfg.model.source)
+    configure(needs_hub=kind == "hub")
+    if cfg.command == "evaluate":
+        from pipeline.run import evaluate_job
+
+        result = evaluate_job(cfg)
+        log.info("%s: %s%s", result["variant"], result["status"],
+                 f" ({result['reason']})" if result.get("reason") else "")
+        return EXIT_VARIANT_FAILED if result["status"] == "failed" else 0
+    if cfg.command == "report":
+        from pipeline.report import write_report
+
+        summary = write_report(cfg)
+        rec = summary["recommendation"]
+        print(f"report: {cfg.results_dir / 'report.md'}")
+        print(f"recommendation: {rec['variant'] or 'none'} — {rec['summary']}")
+        failed = [n for n, v in summary["variants"].items() if v["status"] == "failed"]
+        if failed:
+            print(f"failed variants: {', '.join(failed)}", file=sys.stderr)
+            return EXIT_VARIANT_FAILED
+        return 0
+    if cfg.command == "corpus":
+        from pipeline.corpus import run_corpus
+
+        return run_corpus(cfg)
+    if cfg.command == "bench":
+        from pipeline.bench import run_bench
+
+        return run_bench(cfg)
+    if cfg.command == "prepare":
+        from pipeline.prepare import prepare
+
+        original = prepare(cfg.model, cfg.model_dir, force=cfg.force)
+        print(f"original: {original.checkpoint}")
+        return 0
+    raise ConfigError(f"unknown command {cfg.command!r}")  # pragma: no cover - validated in Config
+
+
+def _translate(argv: list[str]) -> list[str]:
+    if argv and argv[0] in SUBCOMMANDS:
+        cmd, rest = argv[0], argv[1:]
+        if cmd == "corpus":
+            rest = [f"corpus.{a}" if a.split("=", 1)[0] in _CORPUS_SHORTHAND else a for a in rest]
+        return [f"command={cmd}"] + rest
+    return argv
+
+
+def _task(dcfg) -> None:
+    global _exit_code
+    from pipeline.config import from_omegaconf
+
+    try:
+        cfg = from_omegaconf(dcfg)
+        code = run(cfg)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        code = EXIT_BAD_INPUT
+    _exit_code = max(_exit_code, code)
+
+
+def main() -> None:
+    import hydra
+
+    register_resolvers()
+    sys.argv = [sys.argv[0]] + _translate(sys.argv[1:])
+    entry = hydra.main(config_path=str(PROJECT_ROOT / "conf"), config_name="config", version_base="1.3")(_task)
+    try:
+        entry()
+    except SystemExit as exc:
+        # Hydra reports composition errors itself (an unknown group option comes with the list of known ones)
+        # and exits 1; our own task never exits, so any such exit is a configuration problem.
+        if exc.code not in (0, None):
+            sys.exit(EXIT_BAD_INPUT)
+        raise
+    sys.exit(_exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The quantizer interface and the stage that runs it."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.config import Config, VariantConfig
+from pipeline.prepare import Original
+from pipeline.store import dir_bytes, run_stage
+
+
+class Skip(Exception):
+    """A variant that cannot be built or run here; the reason is reported, never hidden."""
+
+
+@dataclass
+class Artifact:
+    variant: str
+    path: Path           # what the variant's runtime loads (a folder or a file)
+    bytes: int           # on-disk size of the weights
+    info: dict           # quantizer facts: real tensor types, group size, wall time, ...
+    hash: str            # changes whenever the artifact does; downstream stages key on it
+
+
+class Quantizer(abc.ABC):
+    def __init__(self, variant: VariantConfig, original: Original, cfg: Config):
+        self.variant = variant
+        self.original = original
+        self.cfg = cfg
+
+    @property
+    def out_dir(self) -> Path:
+        return self.cfg.model_dir / "variants" / self.variant.name
+
+    @abc.abstractmethod
+    def key(self) -> dict:
+        """Everything besides the original that determines the artifact (settings, tool versions)."""
+
+    @abc.abstractmethod
+    def build(self, tmp: Path) -> dict:
+        """Write the artifact into ``tmp``; return facts for the manifest (must include 'artifact': file name)."""
+
+    def run(self) -> Artifact:
+        key = {"original": self.original.hash, "variant": self.variant.name, **self.key()}
+        manifest = run_stage(f"quantize:{self.variant.name}", self.out_dir, key, self.build, force=self.cfg.force)
+        path = self.out_dir / manifest["artifact"]
+        return Artifact(variant=self.variant.name, path=path, bytes=dir_bytes(path), hash=manifest["key_hash"],
+                        info={k: v for k, v in manifest.items() if k not in ("key", "versions", "hardware")})
+
+
+class Passthrough(Quantizer):
+    """The original itself (quantizer: none)."""
+
+    def key(self) -> dict:
+        return {}
+
+    def build(self, tmp: Path) -> dict:  # pragma: no cover - never built
+        raise NotImplementedError
+
+    def run(self) -> Artifact:
+        ckpt = self.original.checkpoint
+        weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+        return Artifact(variant=self.variant.name, path=ckpt, bytes=weights, hash=self.original.hash,
+                        info={"format": "hf-safetensors", "dtype": self.original.facts.get("torch_dtype")})
+
+
+def build_artifact(variant: VariantConfig, original: Original, cfg: Config) -> Artifact:
+    from pipeline.quantizers import quantizer_class
+
+    return quantizer_class(variant.quantizer)(variant, original, cfg).run()

@@ -1,0 +1,226 @@
+"""Stage 3, reference: the original's own transcripts for every suite, with its top-K log-probs per generated
+token (+ the tail mass), and the parity checks that decide whether the F16 GGUF may stand in as generator.
+
+Transcripts: greedy, multi-turn replies carried forward. Log-probs: always from the original checkpoint on the
+hf runtime, teacher-forced on the transcript's exact ids, so every variant's KL divergence is against the
+original's distribution whichever runtime generated the text.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from pipeline.config import Config, ConfigError, VariantConfig
+from pipeline.conversation import ChatRenderer, base_messages, run_conversation
+from pipeline.prepare import Original
+from pipeline.prompts import Conversation
+from pipeline.store import Journal, read_jsonl, run_stage, stable_hash, write_jsonl
+
+log = logging.getLogger(__name__)
+
+F16_VARIANT = VariantConfig(name="gguf_f16", quantizer="gguf", runtime="llamacpp", quantize={"type": "F16"})
+
+
+def load_runtime(variant: VariantConfig, artifact_path: Path, cfg: Config, **options):
+    from pipeline.runtimes import runtime_class
+
+    opts = {**variant.runtime_options, **options}
+    return runtime_class(variant.runtime)(artifact_path, opts, cfg.runtime, cfg.model.trust_remote_code)
+
+
+def context_needed(convs: list[Conversation], renderer: ChatRenderer, transcripts: list[dict] | None = None) -> int:
+    """Upper bound of the tokens any free-running pass over these conversations can hold."""
+    need = 0
+    for i, c in enumerate(convs):
+        budgets = sum(t.max_new_tokens or 512 for t in c.turns)
+        if transcripts is not None:
+            tr = transcripts[i]
+            replies = sum(t["end"] - t["start"] for t in tr["turns"])
+            need = max(need, len(tr["ids"]) - replies + budgets)
+        else:
+            first = base_messages(c) + [{"role": "user", "content": c.turns[0].user}]
+            user = len(renderer.first_prompt(first)) + sum(len(renderer.encode(t.user)) for t in c.turns[1:])
+            need = max(need, user + budgets + 16 * len(c.turns))
+    return need + 8
+
+
+def n_ctx_for(need: int, context_length: int | None) -> int:
+    n_ctx = ((need + 255) // 256) * 256
+    if context_length and n_ctx > context_length:
+        if need > context_length:
+            raise ConfigError(f"a conversation needs {need} tokens but the model's context is {context_length}: "
+                              "shorten the suite's turns or lower max_new_tokens")
+        n_ctx = context_length
+    return n_ctx
+
+
+# ------------------------------------------------------------------------------------------ parity
+
+def parity_texts(convs: list[Conversation], renderer: ChatRenderer) -> list[str]:
+    texts = []
+    for c in convs:
+        if c.system:
+            texts.append(c.system)
+        texts += [t.user for t in c.turns]
+        texts.append(renderer.render(base_messages(c) + [{"role": "user", "content": c.turns[0].user}]))
+    return texts
+
+
+def check_parity(cfg: Config, original: Original, f16_path: Path, f16_hash: str, renderer: ChatRenderer,
+                 all_convs: list[Conversation]) -> dict:
+    """Tokenizer parity on every suite text and the F16 GGUF's KLD vs the original. Cached per inputs."""
+    texts = parity_texts(all_convs, renderer)
+    out_dir = cfg.model_dir / "parity"
+    key = {"original": original.hash, "f16": f16_hash, "texts": stable_hash(texts),
+           "tokens": cfg.reference.parity_tokens}
+
+    def build(tmp: Path) -> dict:
+        from pipeline.metrics import kld_full
+
+        gguf = load_runtime(F16_VARIANT, f16_path, cfg, n_ctx=max(cfg.reference.parity_tokens + 8, 512))
+        mismatches = []
+        for text in texts:
+            a, b = renderer.encode(text), gguf.tokenize(text)
+            if a != b:
+                first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                mismatches.append({"text": text[:120], "first_diff_token": first, "hf": a[first:first + 5],
+                                   "gguf": b[first:first + 5]})
+        stream = []
+        for text in texts:
+            stream += renderer.encode(text)
+            if len(stream) >= cfg.reference.parity_tokens:
+                break
+        stream = stream[: cfg.reference.parity_tokens]
+        positions = list(range(len(stream) - 1))
+        lp_gguf = gguf.logprobs(stream, positions)
+        gguf.close()
+        hf = load_runtime(VariantConfig(name="original"), original.checkpoint, cfg)
+        lp_hf = hf.logprobs(stream, positions)
+        hf.close()
+        kld = kld_full(lp_hf, lp_gguf)
+        result = {
+            "tokenizer_texts": len(texts),
+            "tokenizer_mismatches": mismatches,
+            "f16_kld_mean": float(kld.mean()),
+            "f16_kld_max": float(kld.max()),
+            "f16_top1_agreement": float((lp_hf.argmax(-1) == lp_gguf.argmax(-1)).mean()),
+            "tokens": len(stream),
+            "max_kld": cfg.reference.parity_max_kld,
+        }
+        result["ok"] = not mismatches and result["f16_kld_mean"] < cfg.reference.parity_max_kld
+        return {"parity": result}
+
+    manifest = run_stage("parity", out_dir, key, build, force=cfg.force)
+    return manifest["parity"]
+
+
+def parity_error(parity: dict) -> str | None:
+    if parity["tokenizer_mismatches"]:
+        m = parity["tokenizer_mismatches"][0]
+        return (f"the GGUF vocabulary tokenizes {len(parity['tokenizer_mismatches'])} of {parity['tokenizer_texts']} "
+                f"suite texts differently from the HF tokenizer (first: {m['text']!r} at token {m['first_diff_token']}: "
+                f"hf {m['hf']} vs gguf {m['gguf']}); GGUF drift would not be measured on the same token stream")
+    if parity["f16_kld_mean"] >= parity["max_kld"]:
+        return (f"the F16 GGUF's mean KLD against the original is {parity['f16_kld_mean']:.2e} "
+                f"(limit {parity['max_kld']:.0e}): the conversion is broken, GGUF figures would be meaningless")
+    return None
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+@dataclass
+class SuiteReference:
+    suite: str
+    transcripts: list[dict]          # run_conversation() output per conversation
+    scores: dict[str, dict]          # conversation id -> arrays (topk_ids, topk_lp, tail, actual_lp, pos, turn)
+    producer: str
+    hash: str
+
+
+def reply_positions(transcript: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every reply token: the position that predicts it, its output position within the reply, its turn."""
+    pos, out_pos, turn = [], [], []
+    for ti, t in enumerate(transcript["turns"]):
+        for j in range(t["start"], t["end"]):
+            pos.append(j - 1)
+            out_pos.append(j - t["start"])
+            turn.append(ti)
+    return np.array(pos, dtype=np.int64), np.array(out_pos, dtype=np.int64), np.array(turn, dtype=np.int64)
+
+
+def build_reference(cfg: Config, original: Original, renderer: ChatRenderer, suite: str,
+                    convs: list[Conversation], producer: dict) -> SuiteReference:
+    """producer: {"name": ..., "variant": VariantConfig, "path": Path, "hash": str}."""
+    from pipeline.metrics import topk_from_logprobs
+
+    out_dir = cfg.model_dir / "reference" / cfg.run.name / suite
+    key = {
+        "original": original.hash,
+        "producer": producer["name"], "producer_hash": producer["hash"],
+        "conversations": stable_hash(convs),
+        "top_k": cfg.reference.top_k,
+        "template": original.facts.get("chat_template_hash"),
+    }
+    stop_ids = original.facts["eos_token_ids"]
+
+    def build(tmp: Path) -> dict:
+        gen_journal = Journal(out_dir, "transcripts", key)
+        todo = [c for c in convs if c.id not in gen_journal]
+        if todo:
+            need = context_needed(convs, renderer)
+            n_ctx = n_ctx_for(need, original.facts.get("context_length"))
+            rt = load_runtime(producer["variant"], producer["path"], cfg, n_ctx=n_ctx)
+            for conv in tqdm(todo, desc=f"reference {suite} ({producer['name']})", unit="conv"):
+                gen_journal.add(conv.id, run_conversation(rt, renderer, conv, stop_ids, original.facts.get("context_length")))
+            rt.close()
+        transcripts = [gen_journal.get(c.id) for c in convs]
+
+        score_journal = Journal(out_dir, "scores", key)
+        todo = [t for t in transcripts if t["id"] not in score_journal]
+        if todo:
+            hf = load_runtime(VariantConfig(name="original"), original.checkpoint, cfg)
+            for tr in tqdm(todo, desc=f"reference {suite} log-probs", unit="conv"):
+                pos, out_pos, turn = reply_positions(tr)
+                if len(pos) == 0:
+                    score_journal.add(tr["id"], None)
+                    continue
+                lp = hf.logprobs(tr["ids"], pos.tolist())
+                ids, topk_lp, tail = topk_from_logprobs(lp, cfg.reference.top_k)
+                actual = np.asarray(tr["ids"])[pos + 1]
+                score_journal.add(tr["id"], {
+                    "topk_ids": ids.tolist(), "topk_lp": topk_lp.astype(np.float32).tolist(),
+                    "tail": tail.astype(np.float32).tolist(),
+                    "actual_lp": np.take_along_axis(lp, actual[:, None], axis=-1)[:, 0].astype(np.float32).tolist(),
+                })
+            hf.close()
+        arrays = {}
+        for tr in transcripts:
+            s = score_journal.get(tr["id"])
+            if s is None:
+                continue
+            pos, out_pos, turn = reply_positions(tr)
+            arrays[f"{tr['id']}|pos"] = pos
+            arrays[f"{tr['id']}|out_pos"] = out_pos
+            arrays[f"{tr['id']}|turn"] = turn
+            arrays[f"{tr['id']}|topk_ids"] = np.asarray(s["topk_ids"], dtype=np.int32)
+            for k in ("topk_lp", "tail", "actual_lp"):
+                arrays[f"{tr['id']}|{k}"] = np.asarray(s[k], dtype=np.float32)
+        write_jsonl(tmp / "transcripts.jsonl", transcripts)
+        with open(tmp / "scores.npz", "wb") as fh:
+            np.savez_compressed(fh, **arrays)
+        return {"producer": producer["name"], "conversations": len(transcripts)}
+
+    manifest = run_stage(f"reference:{suite}", out_dir, key, build, force=cfg.force)
+    transcripts = read_jsonl(out_dir / "transcripts.jsonl")
+    npz = np.load(out_dir / "scores.npz")
+    scores: dict[str, dict] = {}
+    for name in npz.files:
+        cid, field_name = name.rsplit("|", 1)
+        scores.setdefault(cid, {})[field_name] = npz[name]
+    return SuiteReference(suite=suite, transcripts=transcripts, scores=scores, producer=manifest["producer"],
+                          hash=manifest["key_hash"])

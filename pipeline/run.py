@@ -1,0 +1,131 @@
+"""One comparison job, top to bottom: prepare -> quantize -> reference -> evaluate -> per-variant result.
+
+``evaluate_job(cfg)`` is what one Hydra job runs (one variant). Every stage it calls is cached, so a sweep of
+variants shares the prepared original, the F16 conversion, the parity check and the reference transcripts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from pathlib import Path
+
+from pipeline.config import Config, ConfigError, VariantConfig
+from pipeline.store import read_json, write_json
+
+log = logging.getLogger(__name__)
+
+
+def result_path(cfg: Config, variant: str) -> Path:
+    return cfg.model_dir / "runs" / cfg.run.name / f"{variant}.result.json"
+
+
+def load_suites(cfg: Config) -> dict:
+    from pipeline.prompts import load_suite, select
+
+    out = {}
+    for suite in cfg.selected_suites():
+        convs = load_suite(suite.name, suite.path)
+        out[suite.name] = select(convs, cfg.profile.max_conversations, cfg.profile.max_new_tokens_cap)
+    return out
+
+
+def probe_prompt(renderer, suites: dict, n_tokens: int) -> list[int]:
+    """A fixed business prompt of exactly n_tokens for the speed probe (same ids for every variant)."""
+    texts = [t.user for convs in suites.values() for c in convs for t in c.turns]
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        for text in texts:
+            ids += renderer.encode(text + "\n\n")
+            if len(ids) >= n_tokens:
+                break
+    return ids[:n_tokens]
+
+
+def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict, dict, dict | None]:
+    """Parity checks, then the reference transcripts. Returns (references, producer, parity)."""
+    from pipeline.quantizers.base import Skip, build_artifact
+    from pipeline.reference import F16_VARIANT, build_reference, check_parity, parity_error
+
+    parity = None
+    f16 = None
+    try:
+        f16 = build_artifact(F16_VARIANT, original, cfg)
+    except Skip as exc:
+        log.warning("no GGUF for this model (%s): the reference is generated on the hf runtime", exc)
+        parity = {"ok": False, "skipped": str(exc)}
+    if f16 is not None:
+        all_convs = [c for convs in suites.values() for c in convs]
+        parity = check_parity(cfg, original, f16.path, f16.hash, renderer, all_convs)
+        problem = parity_error(parity)
+        if problem and cfg.variant.runtime == "llamacpp":
+            raise ConfigError(problem)
+        if problem:
+            log.error("parity check failed: %s", problem)
+    use_gguf = cfg.reference.runtime == "llamacpp" or (cfg.reference.runtime == "auto" and parity and parity.get("ok"))
+    if cfg.reference.runtime == "llamacpp" and not (parity and parity.get("ok")):
+        raise ConfigError("reference.runtime=llamacpp needs a passing F16 parity check: " + str(parity))
+    if use_gguf:
+        producer = {"name": "gguf_f16@llamacpp", "variant": F16_VARIANT, "path": f16.path, "hash": f16.hash}
+    else:
+        producer = {"name": "original@hf", "variant": VariantConfig(name="original"),
+                    "path": original.checkpoint, "hash": original.hash}
+    refs = {name: build_reference(cfg, original, renderer, name, convs, producer) for name, convs in suites.items()}
+    return refs, producer, parity
+
+
+def evaluate_job(cfg: Config) -> dict:
+    """Evaluate cfg.variant; always leaves a result file (ok, skipped or failed) for the report."""
+    from pipeline.conversation import ChatRenderer
+    from pipeline.prepare import prepare
+    from pipeline.quantizers.base import Skip, build_artifact
+
+    started = time.time()
+    variant = cfg.variant
+    base = {"variant": variant.name, "runtime": variant.runtime, "quantizer": variant.quantizer,
+            "description": variant.description}
+    try:
+        original = prepare(cfg.model, cfg.model_dir, force=cfg.force)
+        renderer = ChatRenderer(original.checkpoint, cfg.model.trust_remote_code, cfg.model.allow_plain_template)
+        suites = load_suites(cfg)
+        refs, producer, parity = setup_reference(cfg, original, renderer, suites)
+        try:
+            artifact = build_artifact(variant, original, cfg)
+        except Skip as exc:
+            result = {**base, "status": "skipped", "reason": str(exc)}
+            write_json(result_path(cfg, variant.name), result)
+            log.warning("%s skipped: %s", variant.name, exc)
+            return result
+        from pipeline.evaluate import evaluate_variant
+
+        prompt = probe_prompt(renderer, suites, cfg.profile.speed.prompt_tokens)
+        raw = evaluate_variant(cfg, original, renderer, artifact, suites, refs, producer, prompt)
+        result = {
+            **base,
+            "status": "ok",
+            "reason": None,
+            "artifact": {"path": str(artifact.path), "bytes": artifact.bytes, "hash": artifact.hash,
+                         "info": artifact.info},
+            "evaluation": {"dir": str(Path(raw["samples_path"]).parent), "manifest_hash": raw["manifest"]["key_hash"],
+                           "runtime_info": raw["manifest"].get("runtime_info"),
+                           "free_running_source": raw["manifest"].get("free_running_source"),
+                           "wall_s": raw["manifest"].get("wall_s")},
+            "reference": {"producer": producer["name"], "suites": {s: r.hash for s, r in refs.items()}},
+            "parity": parity,
+            "model": {"name": cfg.model.name, "source": cfg.model.source, "facts": original.facts},
+            "wall_s": time.time() - started,
+        }
+    except ConfigError:
+        raise
+    except Exception as exc:  # a variant that fails is reported, and the other variants still run
+        log.error("%s failed: %s", variant.name, exc)
+        result = {**base, "status": "failed", "reason": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc(limit=8)}
+    write_json(result_path(cfg, variant.name), result)
+    return result
+
+
+def load_result(cfg: Config, variant: str) -> dict | None:
+    path = result_path(cfg, variant)
+    return read_json(path) if path.is_file() else None

@@ -1,0 +1,23 @@
+"""Runtimes load an artifact and (1) generate a reply with timings, (2) score a token sequence.
+
+The table maps a runtime name to its class; modules are imported only when a runtime is loaded, so heavy
+libraries (torch, llama_cpp) stay out of `import pipeline` and the CLI's --help.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+RUNTIMES = {
+    "hf": "pipeline.runtimes.hf:HFRuntime",
+    "llamacpp": "pipeline.runtimes.llamacpp:LlamaCppRuntime",
+}
+
+
+def runtime_class(name: str):
+    from pipeline.config import ConfigError
+
+    if name not in RUNTIMES:
+        raise ConfigError(f"unknown runtime {name!r}: expected one of {', '.join(sorted(RUNTIMES))}")
+    module, cls = RUNTIMES[name].split(":")
+    return getattr(importlib.import_module(module), cls)

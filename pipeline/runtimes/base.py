@@ -1,0 +1,74 @@
+"""The runtime interface. Shapes are exact; every runtime is tested against it on a tiny model."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass
+class Generation:
+    """One greedy reply. ``ids`` excludes the stop token; ``stop`` is 'eos' or 'length'."""
+
+    ids: list[int]
+    stop: str
+    prompt_tokens: int            # length of the prompt
+    prefill_tokens: int           # tokens actually evaluated before the first reply token (prefix reuse skips some)
+    ttft_s: float                 # prefill + the first token
+    decode_times_s: list[float] = field(default_factory=list)   # one per reply token after the first
+
+
+class Runtime(abc.ABC):
+    """A loaded artifact. Subclasses set ``self.info`` (device, dtype, threads, kernel, ...)."""
+
+    name: str = ""
+    info: dict
+
+    @abc.abstractmethod
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> Generation:
+        """Greedy decoding from ``prompt_ids``. A prompt that extends the previous call's tokens may reuse
+        their cache (multi-turn); set ``fresh=True`` semantics via ``reset()`` for timing probes."""
+
+    @abc.abstractmethod
+    def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """Teacher-forced next-token logits after ``ids[p]`` for each p in ``positions``, from ONE forward pass
+        over ``ids``: float32 array of shape (len(positions), vocab_size)."""
+
+    def logprobs(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """Like ``logits`` but log-softmax normalised: float64 (len(positions), vocab_size)."""
+        from pipeline.metrics import log_softmax
+
+        return log_softmax(self.logits(ids, positions))
+
+    def reset(self) -> None:
+        """Forget any cached prefix so the next ``generate`` starts cold."""
+
+    def kv_cache_bytes(self) -> dict | None:
+        """KV-cache size as the runtime itself reports or holds it: {"bytes": int, "tokens": int} or None."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def gather(self, ids: Sequence[int], positions: Sequence[int], candidates: np.ndarray,
+               chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+        """Log-probs of chosen ids at chosen positions, and the argmax id at each position.
+
+        ``candidates``: int (len(positions), K). Returns (float64 (len(positions), K), int64 (len(positions),)).
+        One forward pass; the log-softmax runs in chunks of positions to bound float64 temporaries.
+        """
+        from pipeline.metrics import log_softmax
+
+        candidates = np.asarray(candidates, dtype=np.int64)
+        logits = self.logits(ids, positions)
+        out = np.empty(candidates.shape, dtype=np.float64)
+        argmax = np.empty(len(candidates), dtype=np.int64)
+        for start in range(0, len(candidates), chunk):
+            sel = slice(start, start + chunk)
+            lp = log_softmax(logits[sel])
+            out[sel] = np.take_along_axis(lp, candidates[sel], axis=-1)
+            argmax[sel] = logits[sel].argmax(axis=-1)
+        return out, argmax

@@ -1,0 +1,135 @@
+"""transformers runtime: fp32 on CPU (this class of CPU has no fast half precision), bf16 on CUDA."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from pipeline.config import ConfigError, RuntimeConfig
+from pipeline.runtimes.base import Generation, Runtime
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"runtime.device={requested!r} but torch {torch.__version__} sees no CUDA device: "
+                              "use runtime.device=cpu, or install a CUDA torch (make setup TORCH=cuda)")
+        index = int(requested.split(":")[1]) if ":" in requested else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"runtime.device={requested!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    return requested
+
+
+class HFRuntime(Runtime):
+    name = "hf"
+
+    def __init__(self, artifact: Path, options: dict, rcfg: RuntimeConfig, trust_remote_code: bool = False):
+        from transformers import AutoModelForCausalLM
+
+        self.device = resolve_device(rcfg.device)
+        self.dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
+        if options.get("dtype"):
+            self.dtype = getattr(torch, options["dtype"])
+        torch.set_num_threads(rcfg.n_threads)
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(artifact), dtype=self.dtype, trust_remote_code=trust_remote_code,
+        ).to(self.device).eval()
+        self._cache = None
+        self._cache_ids: list[int] = []
+        self.info = {
+            "runtime": "hf",
+            "device": self.device,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(),
+            "kernel": self._kernel_name(),
+        }
+
+    def _kernel_name(self) -> str:
+        """The linear-layer implementation actually used (GPTQ/AWQ kernels name themselves here)."""
+        kinds = {type(m).__name__ for m in self.model.modules() if "Linear" in type(m).__name__}
+        return ",".join(sorted(kinds)) or "none"
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def reset(self) -> None:
+        self._cache = None
+        self._cache_ids = []
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> Generation:
+        prompt = list(prompt_ids)
+        reuse = 0
+        if self._cache is not None and len(self._cache_ids) < len(prompt) and prompt[:len(self._cache_ids)] == self._cache_ids:
+            reuse = len(self._cache_ids)
+        else:
+            self._cache = self._new_cache()
+        cache = self._cache
+        stops = set(stop_ids)
+        new = torch.tensor([prompt[reuse:]], dtype=torch.long, device=self.device)
+        t0 = time.perf_counter()
+        out = self.model(input_ids=new, cache=cache, use_cache=True, logits_to_keep=1)
+        token = int(out.logits[0, -1].argmax())
+        self._sync()
+        ttft = time.perf_counter() - t0
+        ids: list[int] = []
+        times: list[float] = []
+        stop = "length"
+        fed = list(prompt)
+        while True:
+            if token in stops:
+                stop = "eos"
+                break
+            ids.append(token)
+            if len(ids) >= max_new_tokens:
+                break
+            t = time.perf_counter()
+            out = self.model(input_ids=torch.tensor([[token]], device=self.device), cache=cache,
+                             use_cache=True, logits_to_keep=1)
+            fed.append(token)
+            token = int(out.logits[0, -1].argmax())
+            self._sync()
+            times.append(time.perf_counter() - t)
+        self._cache_ids = fed
+        return Generation(ids=ids, stop=stop, prompt_tokens=len(prompt), prefill_tokens=len(prompt) - reuse,
+                          ttft_s=ttft, decode_times_s=times)
+
+    @torch.inference_mode()
+    def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        keep = torch.tensor(list(positions), dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=keep)
+        return out.logits[0].float().cpu().numpy()
+
+    def kv_cache_bytes(self) -> dict | None:
+        """Bytes held by the live cache's key/value tensors, measured on the tensors themselves."""
+        if self._cache is None or not self._cache_ids:
+            return None
+        total = 0
+        for layer in getattr(self._cache, "layers", []):
+            for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+                t = getattr(layer, name, None)
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        tokens = self._cache.get_seq_length()
+        return {"bytes": int(total), "tokens": int(tokens)} if tokens else None
+
+    def close(self) -> None:
+        self.reset()
+        del self.model

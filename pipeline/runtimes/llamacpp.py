@@ -1,0 +1,176 @@
+"""llama.cpp runtime through llama-cpp-python: greedy decoding and teacher-forced scoring on token ids."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from pipeline.config import ConfigError, RuntimeConfig
+from pipeline.runtimes.base import Generation, Runtime
+
+log = logging.getLogger(__name__)
+
+_KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells")
+_CACHE_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0", "f32": "GGML_TYPE_F32"}
+
+
+def gguf_file(artifact: Path) -> Path:
+    artifact = Path(artifact)
+    if artifact.is_file():
+        return artifact
+    files = sorted(artifact.glob("*.gguf"))
+    if len(files) != 1:
+        raise ConfigError(f"{artifact}: expected exactly one .gguf file, found {[f.name for f in files]}")
+    return files[0]
+
+
+def cuda_supported() -> bool:
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+class LlamaCppRuntime(Runtime):
+    """Options (variant.runtime_options): n_ctx, logits_all (True for scoring), flash_attn, cache_type_k/v."""
+
+    name = "llamacpp"
+
+    def __init__(self, artifact: Path, options: dict, rcfg: RuntimeConfig, trust_remote_code: bool = False):
+        import llama_cpp
+
+        path = gguf_file(artifact)
+        if rcfg.device.startswith("cuda") and not cuda_supported():
+            raise ConfigError(f"runtime.device={rcfg.device!r} but this llama-cpp-python build has no GPU offload: "
+                              "rebuild it with CMAKE_ARGS=-DGGML_CUDA=on (make setup TORCH=cuda)")
+        use_gpu = rcfg.device.startswith("cuda") or (rcfg.device == "auto" and cuda_supported())
+        self.n_ctx = int(options.get("n_ctx", 2048))
+        self.logits_all = bool(options.get("logits_all", True))
+        flash = bool(options.get("flash_attn", False))
+        kwargs = {}
+        for side in ("k", "v"):
+            kind = options.get(f"cache_type_{side}", "f16")
+            if kind not in _CACHE_TYPES:
+                raise ConfigError(f"variant.runtime_options.cache_type_{side}={kind!r}: expected one of "
+                                  + ", ".join(_CACHE_TYPES))
+            kwargs[f"type_{side}"] = getattr(llama_cpp, _CACHE_TYPES[kind])
+        if kwargs["type_v"] != llama_cpp.GGML_TYPE_F16 and not flash:
+            raise ConfigError("llama.cpp needs flash attention for a quantized V cache: set "
+                              "variant.runtime_options.flash_attn=true")
+        log_buffer = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(log_buffer):
+                self.llm = llama_cpp.Llama(
+                    str(path), n_ctx=self.n_ctx, n_batch=rcfg.n_batch, n_ubatch=rcfg.n_batch,
+                    n_threads=rcfg.n_threads, n_threads_batch=rcfg.n_threads,
+                    n_gpu_layers=rcfg.n_gpu_layers if use_gpu else 0, logits_all=self.logits_all,
+                    flash_attn=flash, seed=0, verbose=True, **kwargs,
+                )
+        except (ValueError, RuntimeError) as exc:
+            tail = "\n".join(log_buffer.getvalue().strip().splitlines()[-5:])
+            raise ConfigError(f"llama.cpp could not load {path} ({exc}); its log ended with:\n{tail}\n"
+                              "The file may be truncated or corrupted: delete it and rerun to rebuild it") from None
+        self._load_log = log_buffer.getvalue()
+        # Verbose was only needed to capture the KV-cache size at context creation.
+        from llama_cpp._logger import set_verbose
+
+        set_verbose(False)
+        self.llm.verbose = False
+        self.n_vocab = self.llm.n_vocab()
+        self.info = {
+            "runtime": "llamacpp",
+            "device": "cuda" if use_gpu else "cpu",
+            "threads": rcfg.n_threads,
+            "n_ctx": self.n_ctx,
+            "n_batch": rcfg.n_batch,
+            "flash_attn": flash,
+            "cache_type_k": options.get("cache_type_k", "f16"),
+            "cache_type_v": options.get("cache_type_v", "f16"),
+            "kernel": f"ggml-{'cuda' if use_gpu else 'cpu'}",
+            "file": path.name,
+        }
+
+    def _last_logits(self) -> np.ndarray:
+        if self.logits_all:
+            return self.llm.scores[self.llm.n_tokens - 1]
+        ptr = self.llm._ctx.get_logits_ith(-1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    def _check_fits(self, n: int) -> None:
+        if n > self.n_ctx:
+            raise ConfigError(f"sequence of {n} tokens does not fit llama.cpp's n_ctx={self.n_ctx}")
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> Generation:
+        prompt = [int(t) for t in prompt_ids]
+        self._check_fits(len(prompt) + max_new_tokens)
+        cached = self.llm.input_ids[: self.llm.n_tokens].tolist()
+        reuse = 0
+        for a, b in zip(cached, prompt):
+            if a != b:
+                break
+            reuse += 1
+        reuse = min(reuse, len(prompt) - 1)   # at least one token must be evaluated to get its logits
+        self.llm.n_tokens = reuse             # eval() drops KV cells from here on
+        stops = set(stop_ids)
+        t0 = time.perf_counter()
+        self.llm.eval(prompt[reuse:])
+        token = int(np.argmax(self._last_logits()))
+        ttft = time.perf_counter() - t0
+        ids: list[int] = []
+        times: list[float] = []
+        stop = "length"
+        while True:
+            if token in stops:
+                stop = "eos"
+                break
+            ids.append(token)
+            if len(ids) >= max_new_tokens:
+                break
+            t = time.perf_counter()
+            self.llm.eval([token])
+            token = int(np.argmax(self._last_logits()))
+            times.append(time.perf_counter() - t)
+        return Generation(ids=ids, stop=stop, prompt_tokens=len(prompt), prefill_tokens=len(prompt) - reuse,
+                          ttft_s=ttft, decode_times_s=times)
+
+    def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        if not self.logits_all:
+            raise RuntimeError("scoring needs a runtime created with logits_all=True")
+        ids = [int(t) for t in ids]
+        self._check_fits(len(ids))
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[np.asarray(positions, dtype=np.int64)], dtype=np.float32)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def kv_cache_bytes(self) -> dict | None:
+        """KV bytes llama.cpp holds for the live sequence, as it serialises them (llama_state_seq_get_size: the
+        K/V data of the filled cells plus 12 bytes of cell metadata each and a small header), and the size of
+        the whole allocated cache from its own log at context creation."""
+        import llama_cpp
+
+        n = int(self.llm.n_tokens)
+        if n == 0:
+            return None
+        out = {"bytes": int(llama_cpp.llama_state_seq_get_size(self.llm._ctx.ctx, 0)), "tokens": n,
+               "source": "llama_state_seq_get_size"}
+        m = _KV_LINE.search(self._load_log)
+        if m:
+            out["allocated_bytes"] = int(round(float(m.group(1)) * 2**20))
+            out["allocated_cells"] = int(m.group(2))
+        return out
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.llm.close()

