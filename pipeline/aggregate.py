@@ -103,6 +103,7 @@ def variant_summary(result: dict) -> dict:
     free = free_running_figures(samples)
     facts = result["model"]["facts"]
     info = speed.get("runtime_info") or {}
+    info_a = result["artifact"]["info"]
     formula = kv_bytes_per_token_formula(facts, cache_element_bytes(info))
     kv = speed.get("kv_reported")
     reported = (kv["bytes"] / kv["tokens"]) if kv and kv.get("tokens") else None
@@ -133,10 +134,17 @@ def variant_summary(result: dict) -> dict:
             "kv_formula_gap": gap,
             "kv_gap_flagged": bool(gap is not None and gap > 0.10),
         },
-        "artifact": {"path": result["artifact"]["path"], "format": result["artifact"]["info"].get("format"),
-                     "gguf_type": result["artifact"]["info"].get("gguf_type"),
-                     "tensor_types": result["artifact"]["info"].get("tensor_types"),
-                     "quantize_wall_s": result["artifact"]["info"].get("wall_s")},
+        "artifact": {"path": result["artifact"]["path"], "format": info_a.get("format"),
+                     "gguf_type": info_a.get("gguf_type"), "tensor_types": info_a.get("tensor_types"),
+                     "group_size": info_a.get("group_size"), "quantize_settings": info_a.get("quantize_settings"),
+                     "quantize_wall_s": info_a.get("quantize_wall_s", info_a.get("wall_s")),
+                     "quantize_peak_rss_mb": info_a.get("quantize_peak_rss_mb")},
+        "paths": {
+            "teacher_forced": f"{result['runtime']} ({info.get('kernel')})",
+            "speed_memory": f"{result['runtime']} ({info.get('kernel')}), fresh process",
+            "free_running": result["evaluation"].get("free_running_source"),
+            "dequantized_check": result["evaluation"].get("dequantized_check"),
+        },
     }
 
 

@@ -113,13 +113,25 @@ class ProfileConfig:
     max_conversations: int | None = None
     # Upper bound on every turn's max_new_tokens (None: the prompt file's own budgets).
     max_new_tokens_cap: int | None = None
+    # Per-suite overrides of the two keys above, e.g. {long_output: {max_new_tokens_cap: 256}}.
+    per_suite: dict = field(default_factory=dict)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
 
     def __post_init__(self) -> None:
         _positive_int("profile.max_conversations", self.max_conversations, allow_none=True)
         _positive_int("profile.max_new_tokens_cap", self.max_new_tokens_cap, allow_none=True)
+        for suite, over in (self.per_suite or {}).items():
+            for key, value in (over or {}).items():
+                _require(key in ("max_conversations", "max_new_tokens_cap"), f"profile.per_suite.{suite}.{key}",
+                         value, "max_conversations or max_new_tokens_cap")
+                _positive_int(f"profile.per_suite.{suite}.{key}", value, allow_none=True)
         if isinstance(self.speed, dict):
-            self.speed = SpeedConfig(**self.speed)
+            self.speed = _build(SpeedConfig, self.speed, "profile.speed")
+
+    def limits(self, suite: str) -> tuple[int | None, int | None]:
+        over = (self.per_suite or {}).get(suite) or {}
+        return (over.get("max_conversations", self.max_conversations),
+                over.get("max_new_tokens_cap", self.max_new_tokens_cap))
 
 
 @dataclass

@@ -68,8 +68,62 @@ def compare_free_running(ref_tr: dict, var_tr: dict) -> list[dict]:
     return rows
 
 
-def _same_as_producer(cfg: Config, artifact: Artifact, ref: SuiteReference, producer_hash: str) -> bool:
-    return artifact.hash == producer_hash or (cfg.variant.name == "original")
+PROXY_MAX_KLD_GAP = 0.05       # relative gap of mean KLD, kernel vs dequantized stand-in
+PROXY_MIN_TOP1_AGREEMENT = 0.90
+PROXY_SAMPLE_TOKENS = 512
+
+
+def proxy_check(kernel_rt, proxy_rt, ref: SuiteReference, top_k: int) -> dict:
+    """Does the dequantized stand-in reproduce the real kernel? Teacher-forced on a sample of the reference."""
+    tr = max((t for t in ref.transcripts if t["id"] in ref.scores), key=lambda t: len(ref.scores[t["id"]]["pos"]))
+    s = ref.scores[tr["id"]]
+    n = min(PROXY_SAMPLE_TOKENS, len(s["pos"]))
+    pos = s["pos"][:n]
+    cand = np.concatenate([s["topk_ids"][:n].astype(np.int64), np.asarray(tr["ids"])[pos + 1][:, None]], axis=1)
+    lp_k, am_k = kernel_rt.gather(tr["ids"], pos.tolist(), cand)
+    lp_p, am_p = proxy_rt.gather(tr["ids"], pos.tolist(), cand)
+    kld_k = float(metrics.kld_topk_tail(s["topk_lp"][:n], s["tail"][:n], lp_k[:, :top_k]).mean())
+    kld_p = float(metrics.kld_topk_tail(s["topk_lp"][:n], s["tail"][:n], lp_p[:, :top_k]).mean())
+    gap = abs(kld_p - kld_k) / max(kld_k, 1e-12)
+    agree = float((am_k == am_p).mean())
+    return {"sample": f"{ref.suite}/{tr['id']}", "tokens": int(n), "kld_kernel": kld_k, "kld_dequantized": kld_p,
+            "kld_gap": gap, "top1_agreement": agree,
+            "ok": gap <= PROXY_MAX_KLD_GAP and agree >= PROXY_MIN_TOP1_AGREEMENT,
+            "limits": {"max_kld_gap": PROXY_MAX_KLD_GAP, "min_top1_agreement": PROXY_MIN_TOP1_AGREEMENT}}
+
+
+def dequantized_proxy(cfg: Config, artifact: Artifact) -> Path:
+    """An F16 GGUF of the quantized model's exact dequantized weights (cached beside the artifact)."""
+    from pipeline.quantizers.dequant import write_dense_checkpoint
+    from pipeline.quantizers.gguf import convert_checkpoint
+    from pipeline.store import run_stage
+
+    dense_dir = cfg.model_dir / "variants" / f"{cfg.variant.name}.dequantized"
+    run_stage(f"dequantize:{cfg.variant.name}", dense_dir, {"artifact": artifact.hash},
+              lambda tmp: write_dense_checkpoint(artifact.path, tmp / "checkpoint") or {"artifact": "checkpoint"},
+              force=cfg.force)
+    return convert_checkpoint(cfg, dense_dir / "checkpoint", artifact.hash, cfg.model.name,
+                              cfg.model_dir / "variants" / f"{cfg.variant.name}.dequantized-f16")
+
+
+def _choose_generator(cfg: Config, kernel_rt, artifact: Artifact, refs: dict, original: Original, need: int):
+    """The dequantized stand-in for free-running when it reproduces the kernel on a sample, else the kernel."""
+    from pipeline.quantizers.base import Skip
+    from pipeline.reference import F16_VARIANT
+
+    try:
+        proxy_path = dequantized_proxy(cfg, artifact)
+    except Skip as exc:
+        return kernel_rt, {"used": False, "reason": f"no GGUF stand-in: {exc}"}
+    proxy_rt = load_runtime(F16_VARIANT, proxy_path, cfg, n_ctx=n_ctx_for(need, original.facts.get("context_length")))
+    check = proxy_check(kernel_rt, proxy_rt, next(iter(refs.values())), cfg.reference.top_k)
+    log.info("%s: dequantized stand-in vs kernel on %s: KLD %.4g vs %.4g (gap %.1f%%), top-1 agreement %.1f%% -> %s",
+             cfg.variant.name, check["sample"], check["kld_dequantized"], check["kld_kernel"], 100 * check["kld_gap"],
+             100 * check["top1_agreement"], "use it for free-running" if check["ok"] else "use the kernel")
+    if check["ok"]:
+        return proxy_rt, {"used": True, **check}
+    proxy_rt.close()
+    return kernel_rt, {"used": False, **check}
 
 
 def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, artifact: Artifact,
@@ -102,16 +156,24 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
             info = rt.info
             for s in need_tf:
                 tf_journal.add(s, teacher_forced(rt, refs[s], cfg.reference.top_k))
+            gen_rt, fr_note = rt, None
+            if need_fr and variant.runtime_options.get("free_running") == "dequantized" \
+                    and artifact.info.get("format") in ("gptq", "awq"):
+                gen_rt, fr_note = _choose_generator(cfg, rt, artifact, refs, original, need)
             for s in need_fr:
                 convs = {c.id: c for c in suites[s]}
                 per_conv = {}
                 conv_journal = Journal(out_dir, f"free_running_{s}", key)
                 for tr in tqdm(refs[s].transcripts, desc=f"free-running {s} ({variant.name})", unit="conv"):
                     if tr["id"] not in conv_journal:
-                        conv_journal.add(tr["id"], run_conversation(rt, renderer, convs[tr["id"]], stop_ids,
+                        conv_journal.add(tr["id"], run_conversation(gen_rt, renderer, convs[tr["id"]], stop_ids,
                                                                     original.facts.get("context_length")))
                     per_conv[tr["id"]] = conv_journal.get(tr["id"])
                 fr_journal.add(s, per_conv)
+            if gen_rt is not rt:
+                gen_rt.close()
+            if fr_note is not None:
+                fr_journal.add("_path", fr_note)
             rt.close()
         else:
             info = None
@@ -127,9 +189,15 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
         write_json(tmp / "teacher_forced.json", {s: tf_journal.get(s) for s in refs})
         write_jsonl(tmp / "samples.jsonl", samples)
         write_json(tmp / "speed.json", speed)
-        return {"runtime_info": info or speed.get("runtime_info"),
-                "free_running_source": (f"reference transcripts ({producer['name']})" if reuse_reference
-                                        else f"{variant.name} on {variant.runtime}")}
+        path_note = fr_journal.get("_path") if "_path" in fr_journal else None
+        if reuse_reference:
+            source = f"reference transcripts ({producer['name']})"
+        elif path_note and path_note["used"]:
+            source = "dequantized weights as F16 GGUF on llama.cpp (checked against the kernel)"
+        else:
+            source = f"{variant.name} on {variant.runtime} (real kernel)"
+        return {"runtime_info": info or speed.get("runtime_info"), "free_running_source": source,
+                "dequantized_check": path_note}
 
     manifest = run_stage(f"evaluate:{variant.name}", out_dir, key, build, force=cfg.force)
     return {

@@ -54,7 +54,8 @@ def _fmt(x, spec: str, none: str = "–") -> str:
 
 
 def _md_escape(text: str) -> str:
-    return html.escape(str(text)).replace("|", "\\|").replace("\n", " ")
+    """Inert in Markdown tables and HTML renderers: no tags, no table breaks, no line breaks."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace("|", "\\|").replace("\n", " ")
 
 
 def main_table(summary: dict) -> tuple[list[str], list[list[str]]]:
@@ -142,12 +143,28 @@ def render_markdown(summary: dict, plots: dict[str, str]) -> str:
     for n, v in ok.items():
         a = v["artifact"]
         types = ", ".join(f"{k}×{c}" for k, c in (a.get("tensor_types") or {}).items())
-        rows.append([n, a.get("format") or "", a.get("gguf_type") or "", types, v.get("kernel") or "",
-                     _fmt(a.get("quantize_wall_s"), ".1f")])
-    lines += [_md_table(["variant", "format", "requested type", "tensor types in file", "kernel", "quantize s"], rows), ""]
+        requested = a.get("gguf_type") or (f"{a['quantize_settings']['bits']}-bit, group {a['group_size']}"
+                                           if a.get("quantize_settings") else "")
+        rows.append([n, a.get("format") or "", requested, types, v.get("kernel") or "",
+                     _fmt(a.get("quantize_wall_s"), ".1f"), _fmt(a.get("quantize_peak_rss_mb"), ".0f")])
+    lines += [_md_table(["variant", "format", "requested type", "tensor types in file", "kernel", "quantize s",
+                         "quantize peak MB"], rows), ""]
     lines.append("K-quant names are recipes: on models whose row sizes are not multiples of 256, llama.cpp falls back "
                  "to other types, so the file's real tensor types are listed, and drift need not be monotonic "
                  "across K-quant names.")
+    notes = [(n, v["paths"]) for n, v in ok.items() if v["paths"].get("dequantized_check")]
+    if notes:
+        lines += ["", "### Which path produced which number", ""]
+        for n, p in notes:
+            c = p["dequantized_check"]
+            lines.append(f"- `{n}`: teacher-forced drift, speed and memory on the real kernel ({_md_escape(p['teacher_forced'])}); "
+                         f"free-running checks, flips and chrF from {_md_escape(p['free_running'])}. Check on "
+                         f"{c.get('tokens', 0)} reference tokens: mean KLD kernel {c.get('kld_kernel', 0):.4g} vs "
+                         f"dequantized {c.get('kld_dequantized', 0):.4g} (gap {c.get('kld_gap', 0):.1%}, limit 5%), "
+                         f"greedy agreement {c.get('top1_agreement', 0):.1%} (limit 90%).")
+    if any(v["artifact"].get("quantize_settings") for v in ok.values()):
+        lines += ["", "GPTQ/AWQ calibration: business prose from `prompts/calibration.jsonl`, kept apart from every "
+                  "scored evaluation turn (or the source set in the variant's `quantize.calibration`)."]
     skipped = {n: v for n, v in summary["variants"].items() if v["status"] != "ok"}
     if skipped:
         lines += ["", "## Skipped or failed", ""]

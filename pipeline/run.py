@@ -27,7 +27,7 @@ def load_suites(cfg: Config) -> dict:
     out = {}
     for suite in cfg.selected_suites():
         convs = load_suite(suite.name, suite.path)
-        out[suite.name] = select(convs, cfg.profile.max_conversations, cfg.profile.max_new_tokens_cap)
+        out[suite.name] = select(convs, *cfg.profile.limits(suite.name))
     return out
 
 
@@ -110,6 +110,7 @@ def evaluate_job(cfg: Config) -> dict:
             "evaluation": {"dir": str(Path(raw["samples_path"]).parent), "manifest_hash": raw["manifest"]["key_hash"],
                            "runtime_info": raw["manifest"].get("runtime_info"),
                            "free_running_source": raw["manifest"].get("free_running_source"),
+                           "dequantized_check": raw["manifest"].get("dequantized_check"),
                            "wall_s": raw["manifest"].get("wall_s")},
             "reference": {"producer": producer["name"], "suites": {s: r.hash for s, r in refs.items()}},
             "parity": parity,

@@ -70,3 +70,9 @@ def test_cli_unknown_variant_exits_2_listing_known_ones():
                          timeout=60)
     assert out.returncode == 2
     assert "gguf_q4_k_m" in out.stderr + out.stdout
+
+
+def test_profile_sections_are_typed():
+    cfg = compose(["profile=quick"])
+    assert cfg.profile.speed.decode_tokens > 0
+    assert cfg.profile.limits("long_output")[1] >= cfg.profile.limits("multi_turn")[1]

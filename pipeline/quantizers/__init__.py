@@ -10,6 +10,7 @@ import importlib
 QUANTIZERS = {
     "none": "pipeline.quantizers.base:Passthrough",
     "gguf": "pipeline.quantizers.gguf:GGUFQuantizer",
+    "gptqmodel": "pipeline.quantizers.gptq:GPTQModelQuantizer",
 }
 
 

@@ -38,14 +38,13 @@ def tensor_types(path: Path) -> dict[str, int]:
     return dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items()))
 
 
-def convert_to_f16(cfg: Config, checkpoint: Path, original_hash: str, model_name: str) -> Path:
-    """The F16 GGUF shared by every GGUF variant (cached under <model>/gguf-f16)."""
+def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_name: str, out_dir: Path) -> Path:
+    """HF checkpoint -> F16 GGUF with llama.cpp's own converter, cached in ``out_dir``."""
     src = converter_dir(cfg)
     script = src / "convert_hf_to_gguf.py"
     if not script.is_file():
         raise ConfigError(f"llama.cpp's converter is missing at {script}: run `make converter` (or `make setup`), "
                           "which fetches the llama-cpp-python source distribution into paths.cache")
-    out_dir = cfg.model_dir / "gguf-f16"
 
     def build(tmp: Path) -> dict:
         env = dict(os.environ, PYTHONPATH=str(src / "gguf-py") + os.pathsep + str(src), NO_LOCAL_GGUF="")
@@ -62,9 +61,14 @@ def convert_to_f16(cfg: Config, checkpoint: Path, original_hash: str, model_name
             raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}):\n{tail}")
         return {"artifact": F16_FILE, "tensor_types": tensor_types(tmp / F16_FILE)}
 
-    key = {"original": original_hash, "converter": str(script), "llama_cpp": metadata.version("llama-cpp-python")}
+    key = {"upstream": upstream_hash, "converter": str(script), "llama_cpp": metadata.version("llama-cpp-python")}
     run_stage("convert:f16-gguf", out_dir, key, build, force=False)
     return out_dir / F16_FILE
+
+
+def convert_to_f16(cfg: Config, checkpoint: Path, original_hash: str, model_name: str) -> Path:
+    """The F16 GGUF of the original, shared by every GGUF variant (cached under <model>/gguf-f16)."""
+    return convert_checkpoint(cfg, checkpoint, original_hash, model_name, cfg.model_dir / "gguf-f16")
 
 
 def quantize_file(src: Path, dst: Path, ftype_name: str, threads: int) -> None:

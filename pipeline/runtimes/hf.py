@@ -56,8 +56,10 @@ class HFRuntime(Runtime):
 
     def _kernel_name(self) -> str:
         """The linear-layer implementation actually used (GPTQ/AWQ kernels name themselves here)."""
-        kinds = {type(m).__name__ for m in self.model.modules() if "Linear" in type(m).__name__}
-        return ",".join(sorted(kinds)) or "none"
+        quantized = {type(m).__name__ for m in self.model.modules() if hasattr(m, "qweight")}
+        if quantized:
+            return ",".join(sorted(quantized))
+        return f"torch.nn.Linear ({str(self.dtype).replace('torch.', '')})"
 
     def _sync(self) -> None:
         if self.device.startswith("cuda"):

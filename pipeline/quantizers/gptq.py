@@ -1,0 +1,197 @@
+"""GPTQ and AWQ variants through GPTQModel (the maintained successor of AutoGPTQ and AutoAWQ).
+
+The quantization itself runs in a child process: GPTQModel sets process-wide environment (allocator, device
+order), writes ./logs into the current directory, and its peak memory is only meaningful per process. The
+parent records wall time and the child's peak RSS. Artifacts are GPTQModel's standard folders, which
+``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads (with gptqmodel and optimum installed).
+
+Variant settings (variant.quantize):
+    method: gptq | awq
+    bits: 4 | 8
+    group_size: auto | 128 | 64 | 32   (auto: the largest of 128/64/32 dividing every quantized input size)
+    desc_act: false                    (gptq)
+    sym: true | false
+    dtype: float32 | bfloat16 | float16   (compute dtype while quantizing; AWQ packing needs a half type)
+    calibration: {path: JSONL with a text field | dataset: NAME, split, field, samples, seq_len}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+from pipeline.config import ConfigError, PROJECT_ROOT
+from pipeline.quantizers.base import Quantizer, Skip
+from pipeline.store import stable_hash
+
+log = logging.getLogger(__name__)
+
+GROUP_SIZES = (128, 64, 32)
+DEFAULT_CALIBRATION = {"path": str(PROJECT_ROOT / "prompts" / "calibration.jsonl"), "field": "text",
+                       "samples": 64, "seq_len": 256}
+
+
+def quantized_input_sizes(checkpoint: Path) -> dict[str, int]:
+    """in_features of every linear GPTQ/AWQ quantizes: the 2-D weights inside the decoder layers."""
+    from safetensors import safe_open
+
+    sizes = {}
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        with safe_open(str(path), framework="np") as fh:
+            for name in fh.keys():
+                if ".layers." in name and name.endswith(".weight"):
+                    shape = fh.get_slice(name).get_shape()
+                    if len(shape) == 2:
+                        sizes[name] = int(shape[1])
+    return sizes
+
+
+def choose_group_size(input_sizes: dict[str, int] | list[int], candidates=GROUP_SIZES) -> int:
+    """The largest candidate that divides every quantized layer's input size (fast CPU kernels need it)."""
+    values = set(input_sizes.values() if isinstance(input_sizes, dict) else input_sizes)
+    if not values:
+        raise Skip("no quantizable linear layers found inside the decoder layers")
+    for g in candidates:
+        if all(v % g == 0 for v in values):
+            return g
+    raise Skip(f"no group size in {candidates} divides every quantized input size {sorted(values)}")
+
+
+def load_calibration(spec: dict, tokenizer, samples: int, seq_len: int) -> list[dict]:
+    """Calibration texts tokenized to at most seq_len tokens: a local JSONL (default: prompts/calibration.jsonl,
+    business prose kept apart from every scored evaluation turn) or a `datasets` source."""
+    field = spec.get("field", "text")
+    if spec.get("dataset"):
+        from datasets import load_dataset
+
+        try:
+            ds = load_dataset(spec["dataset"], spec.get("config"), split=spec.get("split", "train"))
+        except Exception as exc:
+            raise ConfigError(f"calibration.dataset={spec['dataset']!r} could not be loaded ({exc}); offline, "
+                              "point calibration.path at a local JSONL file") from None
+        texts = [r[field] for r in ds if isinstance(r.get(field), str) and r[field].strip()]
+    else:
+        path = Path(spec.get("path") or DEFAULT_CALIBRATION["path"])
+        if not path.is_file():
+            raise ConfigError(f"calibration.path={str(path)!r} does not exist: expected a JSONL file with a "
+                              f"'{field}' field per line")
+        texts = []
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+                if not isinstance(row.get(field), str):
+                    raise ConfigError(f"{path}:{lineno}: field '{field}': expected a string")
+                texts.append(row[field])
+    if not texts:
+        raise ConfigError(f"calibration source {spec} holds no texts")
+    out = []
+    for text in texts[:samples]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:seq_len]
+        out.append({"input_ids": ids, "attention_mask": [1] * len(ids)})
+    return out
+
+
+class GPTQModelQuantizer(Quantizer):
+    def settings(self) -> dict:
+        q = dict(self.variant.quantize)
+        method = q.get("method", "gptq")
+        if method not in ("gptq", "awq"):
+            raise ConfigError(f"variant {self.variant.name}: quantize.method={method!r}: expected gptq or awq")
+        bits = q.get("bits", 4)
+        if bits not in (2, 3, 4, 8) or (method == "awq" and bits != 4):
+            raise ConfigError(f"variant {self.variant.name}: quantize.bits={bits!r}: expected 4 or 8 (awq: 4)")
+        calib = {**DEFAULT_CALIBRATION, **(q.get("calibration") or {})}
+        group = q.get("group_size", "auto")
+        if group == "auto":
+            group = choose_group_size(quantized_input_sizes(self.original.checkpoint))
+        elif not isinstance(group, int) or group <= 0:
+            raise ConfigError(f"variant {self.variant.name}: quantize.group_size={group!r}: expected auto or an int")
+        dtype = q.get("dtype", "bfloat16" if method == "awq" else "float32")
+        return {"method": method, "bits": bits, "group_size": group, "desc_act": bool(q.get("desc_act", False)),
+                "sym": bool(q.get("sym", method == "gptq")), "dtype": dtype, "calibration": calib}
+
+    def key(self) -> dict:
+        s = self.settings()
+        calib = s["calibration"]
+        if calib.get("path") and Path(calib["path"]).is_file():
+            calib = {**calib, "sha": stable_hash(Path(calib["path"]).read_text(encoding="utf-8"))}
+        return {**s, "calibration": calib, "gptqmodel": _version("gptqmodel")}
+
+    def build(self, tmp: Path) -> dict:
+        if _version("gptqmodel") is None:
+            raise Skip("gptqmodel is not installed (pip install gptqmodel==7.6.0 optimum==2.3.0; make setup does)")
+        s = self.settings()
+        spec = {"source": str(self.original.checkpoint), "out": str(tmp / "model"), "settings": s,
+                "device": "cuda" if self.cfg.runtime.device.startswith("cuda") else "cpu",
+                "trust_remote_code": self.cfg.model.trust_remote_code}
+        log.info("quantizing %s with GPTQModel (%s %d-bit, group %d; minutes on a CPU)", self.variant.name,
+                 s["method"], s["bits"], s["group_size"])
+        with tempfile.TemporaryDirectory(prefix="qd-gptq-") as scratch:
+            spec_path = Path(scratch) / "spec.json"
+            spec_path.write_text(json.dumps(spec))
+            env = dict(os.environ, GPTQMODEL_CPU_WORKERS=str(os.cpu_count() or 1), PYTHONUNBUFFERED="1")
+            env["PYTHONPATH"] = str(PROJECT_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+            started = time.time()
+            proc = subprocess.run([sys.executable, "-m", "pipeline.quantizers.gptq", str(spec_path)], cwd=scratch,
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            wall = time.time() - started
+            stats_path = Path(scratch) / "stats.json"
+            if proc.returncode != 0 or not stats_path.is_file():
+                tail = "\n".join(proc.stdout.strip().splitlines()[-12:])
+                raise RuntimeError(f"GPTQModel {s['method']} quantization failed (exit {proc.returncode}):\n{tail}")
+            stats = json.loads(stats_path.read_text())
+        return {"artifact": "model", "format": s["method"], "quantize_settings": s, "group_size": s["group_size"],
+                "quantize_wall_s": wall, "quantize_peak_rss_mb": stats["peak_rss_mb"],
+                "calibration_samples": stats["samples"], "calibration_tokens": stats["tokens"]}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _worker(spec_path: str) -> None:
+    """Child process: load, calibrate, quantize, save. Runs with cwd = a scratch directory."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
+    from pipeline.probe import peak_rss_mb
+
+    spec = json.loads(Path(spec_path).read_text())
+    s = spec["settings"]
+    tok = AutoTokenizer.from_pretrained(spec["source"], trust_remote_code=spec["trust_remote_code"])
+    calib = s["calibration"]
+    data = load_calibration(calib, tok, int(calib["samples"]), int(calib["seq_len"]))
+    if s["method"] == "gptq":
+        qcfg = GPTQConfig(bits=s["bits"], group_size=s["group_size"], desc_act=s["desc_act"], sym=s["sym"],
+                          offload_to_disk=False)
+        backend = BACKEND.AUTO
+    else:
+        qcfg = AWQConfig(bits=s["bits"], group_size=s["group_size"], sym=s["sym"], offload_to_disk=False)
+        backend = BACKEND.AWQ_TORCH if spec["device"] == "cpu" else BACKEND.AUTO
+    model = GPTQModel.load(spec["source"], qcfg, device=spec["device"], dtype=getattr(torch, s["dtype"]),
+                           trust_remote_code=spec["trust_remote_code"])
+    model.quantize(data, batch_size=1, backend=backend)
+    model.save(spec["out"])
+    tok.save_pretrained(spec["out"])
+    Path(spec_path).with_name("stats.json").write_text(json.dumps({
+        "peak_rss_mb": peak_rss_mb(), "samples": len(data), "tokens": sum(len(d["input_ids"]) for d in data)}))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

@@ -1,0 +1,112 @@
+"""GPTQ and AWQ through GPTQModel on a tiny random llama: quantize, load back two ways, score the same ids."""
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline import metrics
+from pipeline.config import VariantConfig, load_variant
+from pipeline.quantizers.base import Skip
+from pipeline.quantizers.gptq import choose_group_size, quantized_input_sizes
+
+TEXT = ("Purchase order PO-88412 for 240 ergonomic chairs at USD 189.00 each was approved by Marta Okafor on "
+        "12 May; delivery to the Leeds warehouse is due within 21 days of approval. ") * 3
+
+
+def test_group_size_is_the_largest_dividing_every_input_size():
+    assert choose_group_size([576, 1536]) == 64          # SmolLM2: 128 does not divide 576
+    assert choose_group_size([4096, 11008]) == 128
+    assert choose_group_size([96, 160]) == 32
+    with pytest.raises(Skip, match="no group size"):
+        choose_group_size([100, 200])
+
+
+def test_shipped_gptq_and_awq_variants_compose():
+    for name, method, bits in (("gptq_w4", "gptq", 4), ("gptq_w8", "gptq", 8), ("awq_w4", "awq", 4)):
+        v = load_variant(name)
+        assert v.quantizer == "gptqmodel" and v.runtime == "hf"
+        assert v.quantize["method"] == method and v.quantize["bits"] == bits and v.quantize["group_size"] == "auto"
+        assert v.quantize["calibration"]["path"].endswith("prompts/calibration.jsonl")
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, tiny_tokenizer_dir):
+    pytest.importorskip("gptqmodel")
+    from pipeline.config import PROJECT_ROOT
+    from pipeline.prepare import prepare
+    from pipeline.quantizers.base import build_artifact
+    from tests.conftest import build_tiny_llama, compose
+
+    root = tmp_path_factory.mktemp("gptq")
+    model = build_tiny_llama(root / "model", tiny_tokenizer_dir, hidden=64)
+    cfg = compose([f"model.source={model}", "model.name=tiny", f"paths.artifacts={root / 'a'}",
+                   f"paths.cache={PROJECT_ROOT / '.cache'}"])
+    original = prepare(cfg.model, cfg.model_dir)
+    arts = {}
+    for name in ("gptq_w4", "gptq_w8", "awq_w4"):
+        v = load_variant(name)
+        v.quantize["calibration"]["samples"] = 16
+        v.quantize["calibration"]["seq_len"] = 64
+        arts[name] = build_artifact(v, original, cfg)
+    return cfg, original, arts
+
+
+@pytest.mark.slow
+def test_gptq_and_awq_folders_load_with_plain_transformers_and_gptqmodel(quantized):
+    import torch
+    from gptqmodel import GPTQModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg, original, arts = quantized
+    tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
+    ids = torch.tensor([tok(TEXT, add_special_tokens=False)["input_ids"][:96]])
+    ref = AutoModelForCausalLM.from_pretrained(str(original.checkpoint), dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp_ref = torch.log_softmax(ref(ids).logits[0].float(), -1).numpy()
+    kld = {}
+    for name, art in arts.items():
+        qc = json.loads((art.path / "config.json").read_text())["quantization_config"]
+        assert qc["quant_method"] == ("awq" if name.startswith("awq") else "gptq") and qc["group_size"] == 32
+        assert art.info["group_size"] == 32 and art.info["quantize_wall_s"] > 0 and art.info["quantize_peak_rss_mb"] > 0
+        hf = AutoModelForCausalLM.from_pretrained(str(art.path), dtype=torch.float32, device_map="cpu").eval()
+        assert any(hasattr(m, "qweight") for m in hf.modules()), "transformers must load the real quantized layers"
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(ids).logits[0].float(), -1).numpy()
+        assert np.isfinite(lp).all()
+        kld[name] = float(metrics.kld_full(lp_ref, lp).mean())
+        gm = GPTQModel.load(str(art.path), device="cpu")
+        with torch.no_grad():
+            assert torch.isfinite(gm.model(ids).logits).all()
+    assert 0 < kld["gptq_w8"] < kld["gptq_w4"] < 1.0, kld
+    assert 0 < kld["awq_w4"] < 1.0, kld
+
+
+@pytest.mark.slow
+def test_dequantized_weights_reproduce_the_kernel(quantized):
+    """The check that licenses the dequantized stand-in for free-running: on a sample, kernel and dequantized
+    paths give mean KLD within 5 % and the same greedy token at most positions."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.quantizers.dequant import dense_state_dict
+
+    cfg, original, arts = quantized
+    tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
+    ids = torch.tensor([tok(TEXT, add_special_tokens=False)["input_ids"][:96]])
+    ref = AutoModelForCausalLM.from_pretrained(str(original.checkpoint), dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp_ref = torch.log_softmax(ref(ids).logits[0].float(), -1).numpy()
+    for name, art in arts.items():
+        kernel = AutoModelForCausalLM.from_pretrained(str(art.path), dtype=torch.float32, device_map="cpu").eval()
+        dense = AutoModelForCausalLM.from_pretrained(str(original.checkpoint), dtype=torch.float32).eval()
+        state, _ = dense_state_dict(art.path)
+        missing, unexpected = dense.load_state_dict(state, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}
+        dense.tie_weights()
+        with torch.no_grad():
+            lk = torch.log_softmax(kernel(ids).logits[0].float(), -1).numpy()
+            ld = torch.log_softmax(dense(ids).logits[0].float(), -1).numpy()
+        kld_k, kld_d = metrics.kld_full(lp_ref, lk).mean(), metrics.kld_full(lp_ref, ld).mean()
+        assert abs(kld_d - kld_k) / kld_k < 0.05, (name, kld_k, kld_d)
+        assert (lk.argmax(-1) == ld.argmax(-1)).mean() >= 0.9, name
