@@ -16,7 +16,7 @@ LLAMA_CPP_SRC := $(CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)
 
 MODEL ?= smollm2
 PROFILE ?= quick
-VARIANTS ?= original,gguf_f16,gguf_q8_0,gguf_q6_k,gguf_q5_k_m,gguf_q4_k_m,gguf_q4_0
+VARIANTS ?= original,gguf_f16,gguf_q8_0,gguf_q6_k,gguf_q5_k_m,gguf_q4_k_m,gguf_q4_0,gptq_w4,gptq_w8,awq_w4
 SUITES ?= long_output,multi_turn
 ARGS ?=
 

@@ -300,6 +300,7 @@ def load_variant(name: str) -> VariantConfig:
 
     if name not in known_variants():
         raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join(known_variants())}")
+    register_resolvers()
     raw = OmegaConf.to_container(OmegaConf.load(PROJECT_ROOT / "conf" / "variant" / f"{name}.yaml"), resolve=True)
     return _build(VariantConfig, raw, f"variant {name}")
 

@@ -63,7 +63,7 @@ def probe_speed(cfg, variant, artifact, prompt_ids: list[int]) -> dict:
     spec = {
         "runtime": variant.runtime,
         "artifact": str(artifact.path),
-        "options": {**variant.runtime_options, "logits_all": False,
+        "options": {**variant.runtime_options,
                     "n_ctx": ((len(prompt_ids) + sp.decode_tokens + 64 + 255) // 256) * 256},
         "runtime_cfg": asdict(cfg.runtime),
         "trust_remote_code": cfg.model.trust_remote_code,

@@ -38,8 +38,9 @@ DEFAULT_CALIBRATION = {"path": str(PROJECT_ROOT / "prompts" / "calibration.jsonl
                        "samples": 64, "seq_len": 256}
 
 
-def quantized_input_sizes(checkpoint: Path) -> dict[str, int]:
-    """in_features of every linear GPTQ/AWQ quantizes: the 2-D weights inside the decoder layers."""
+def quantized_input_sizes(checkpoint: Path, dim: int = 1) -> dict[str, int]:
+    """in_features (dim=1) or out_features (dim=0) of every linear GPTQ/AWQ quantizes: the 2-D weights inside
+    the decoder layers."""
     from safetensors import safe_open
 
     sizes = {}
@@ -49,7 +50,7 @@ def quantized_input_sizes(checkpoint: Path) -> dict[str, int]:
                 if ".layers." in name and name.endswith(".weight"):
                     shape = fh.get_slice(name).get_shape()
                     if len(shape) == 2:
-                        sizes[name] = int(shape[1])
+                        sizes[name] = int(shape[dim])
     return sizes
 
 
@@ -118,6 +119,11 @@ class GPTQModelQuantizer(Quantizer):
             group = choose_group_size(quantized_input_sizes(self.original.checkpoint))
         elif not isinstance(group, int) or group <= 0:
             raise ConfigError(f"variant {self.variant.name}: quantize.group_size={group!r}: expected auto or an int")
+        if method == "awq":
+            odd = sorted({v for v in quantized_input_sizes(self.original.checkpoint, dim=0).values() if v % 64})
+            if odd:   # GPTQModel 7.6's AWQ clip search batches output channels by 64 and asserts on the rest
+                raise Skip(f"AWQ in GPTQModel needs every quantized layer's output size to be a multiple of 64; "
+                           f"this model has {odd}")
         dtype = q.get("dtype", "bfloat16" if method == "awq" else "float32")
         return {"method": method, "bits": bits, "group_size": group, "desc_act": bool(q.get("desc_act", False)),
                 "sym": bool(q.get("sym", method == "gptq")), "dtype": dtype, "calibration": calib}
@@ -144,13 +150,19 @@ class GPTQModelQuantizer(Quantizer):
             env = dict(os.environ, GPTQMODEL_CPU_WORKERS=str(os.cpu_count() or 1), PYTHONUNBUFFERED="1")
             env["PYTHONPATH"] = str(PROJECT_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
             started = time.time()
-            proc = subprocess.run([sys.executable, "-m", "pipeline.quantizers.gptq", str(spec_path)], cwd=scratch,
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            # GPTQModel's own per-layer progress is streamed through, so minutes of work are visible.
+            proc = subprocess.Popen([sys.executable, "-m", "pipeline.quantizers.gptq", str(spec_path)], cwd=scratch,
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            tail: list[str] = []
+            for line in proc.stdout:
+                sys.stderr.write(line)
+                tail = (tail + [line.rstrip()])[-12:]
+            proc.wait()
             wall = time.time() - started
             stats_path = Path(scratch) / "stats.json"
             if proc.returncode != 0 or not stats_path.is_file():
-                tail = "\n".join(proc.stdout.strip().splitlines()[-12:])
-                raise RuntimeError(f"GPTQModel {s['method']} quantization failed (exit {proc.returncode}):\n{tail}")
+                raise RuntimeError(f"GPTQModel {s['method']} quantization failed (exit {proc.returncode}):\n"
+                                   + "\n".join(tail))
             stats = json.loads(stats_path.read_text())
         return {"artifact": "model", "format": s["method"], "quantize_settings": s, "group_size": s["group_size"],
                 "quantize_wall_s": wall, "quantize_peak_rss_mb": stats["peak_rss_mb"],

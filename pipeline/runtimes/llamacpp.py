@@ -38,7 +38,7 @@ def cuda_supported() -> bool:
 
 
 class LlamaCppRuntime(Runtime):
-    """Options (variant.runtime_options): n_ctx, logits_all (True for scoring), flash_attn, cache_type_k/v."""
+    """Options (variant.runtime_options): n_ctx, flash_attn, cache_type_k/v."""
 
     name = "llamacpp"
 
@@ -51,7 +51,6 @@ class LlamaCppRuntime(Runtime):
                               "rebuild it with CMAKE_ARGS=-DGGML_CUDA=on (make setup TORCH=cuda)")
         use_gpu = rcfg.device.startswith("cuda") or (rcfg.device == "auto" and cuda_supported())
         self.n_ctx = int(options.get("n_ctx", 2048))
-        self.logits_all = bool(options.get("logits_all", True))
         flash = bool(options.get("flash_attn", False))
         kwargs = {}
         for side in ("k", "v"):
@@ -69,7 +68,7 @@ class LlamaCppRuntime(Runtime):
                 self.llm = llama_cpp.Llama(
                     str(path), n_ctx=self.n_ctx, n_batch=rcfg.n_batch, n_ubatch=rcfg.n_batch,
                     n_threads=rcfg.n_threads, n_threads_batch=rcfg.n_threads,
-                    n_gpu_layers=rcfg.n_gpu_layers if use_gpu else 0, logits_all=self.logits_all,
+                    n_gpu_layers=rcfg.n_gpu_layers if use_gpu else 0, logits_all=False,   # scoring asks for the rows it needs (logits())
                     flash_attn=flash, seed=0, verbose=True, **kwargs,
                 )
         except (ValueError, RuntimeError) as exc:
@@ -97,8 +96,6 @@ class LlamaCppRuntime(Runtime):
         }
 
     def _last_logits(self) -> np.ndarray:
-        if self.logits_all:
-            return self.llm.scores[self.llm.n_tokens - 1]
         ptr = self.llm._ctx.get_logits_ith(-1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
@@ -143,13 +140,36 @@ class LlamaCppRuntime(Runtime):
                           ttft_s=ttft, decode_times_s=times)
 
     def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-        if not self.logits_all:
-            raise RuntimeError("scoring needs a runtime created with logits_all=True")
+        """One pass over ``ids`` in n_batch chunks, asking llama.cpp for output rows only at ``positions``: the
+        vocabulary projection of every other token is skipped (about 30 % of prefill time on small models)."""
+        import llama_cpp
+
         ids = [int(t) for t in ids]
         self._check_fits(len(ids))
-        self.llm.reset()
-        self.llm.eval(ids)
-        return np.array(self.llm.scores[np.asarray(positions, dtype=np.int64)], dtype=np.float32)
+        positions = [int(p) for p in positions]
+        rows: dict[int, list[int]] = {}
+        for row, p in enumerate(positions):
+            if not 0 <= p < len(ids):
+                raise ValueError(f"position {p} outside a sequence of {len(ids)} tokens")
+            rows.setdefault(p, []).append(row)
+        out = np.empty((len(positions), self.n_vocab), dtype=np.float32)
+        llm, batch = self.llm, self.llm._batch
+        llm.reset()
+        llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        for start in range(0, len(ids), llm.n_batch):
+            chunk = ids[start:start + llm.n_batch]
+            batch.set_batch(chunk, n_past=start, logits_all=False)
+            for i in range(len(chunk)):
+                batch.batch.logits[i] = (start + i) in rows
+            batch.batch.logits[len(chunk) - 1] = True   # llama.cpp wants at least one output per batch
+            llm._ctx.decode(batch)
+            for i in range(len(chunk)):
+                if start + i in rows:
+                    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, i)
+                    out[rows[start + i]] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        llm.input_ids[: len(ids)] = ids
+        llm.n_tokens = len(ids)
+        return out
 
     def tokenize(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
