@@ -5,8 +5,6 @@ The table maps a variant's ``quantizer`` name to its class; modules are imported
 
 from __future__ import annotations
 
-import importlib
-
 QUANTIZERS = {
     "none": "pipeline.quantizers.base:Passthrough",
     "gguf": "pipeline.quantizers.gguf:GGUFQuantizer",
@@ -15,9 +13,6 @@ QUANTIZERS = {
 
 
 def quantizer_class(name: str):
-    from pipeline.config import ConfigError
+    from pipeline.registry import load_class
 
-    if name not in QUANTIZERS:
-        raise ConfigError(f"unknown quantizer {name!r}: expected one of {', '.join(sorted(QUANTIZERS))}")
-    module, cls = QUANTIZERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return load_class(QUANTIZERS, name, "quantizer")

@@ -27,7 +27,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from pipeline.config import ConfigError, PROJECT_ROOT
+from pipeline.config import PROJECT_ROOT, ConfigError
 from pipeline.quantizers.base import Quantizer, Skip
 from pipeline.store import stable_hash
 

@@ -6,8 +6,6 @@ libraries (torch, llama_cpp) stay out of `import pipeline` and the CLI's --help.
 
 from __future__ import annotations
 
-import importlib
-
 RUNTIMES = {
     "hf": "pipeline.runtimes.hf:HFRuntime",
     "llamacpp": "pipeline.runtimes.llamacpp:LlamaCppRuntime",
@@ -15,9 +13,6 @@ RUNTIMES = {
 
 
 def runtime_class(name: str):
-    from pipeline.config import ConfigError
+    from pipeline.registry import load_class
 
-    if name not in RUNTIMES:
-        raise ConfigError(f"unknown runtime {name!r}: expected one of {', '.join(sorted(RUNTIMES))}")
-    module, cls = RUNTIMES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return load_class(RUNTIMES, name, "runtime")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -21,6 +22,27 @@ class Generation:
     decode_times_s: list[float] = field(default_factory=list)   # one per reply token after the first
 
 
+def greedy_decode(prefill: Callable[[], int], step: Callable[[int], int], max_new_tokens: int,
+                  stop_ids: Sequence[int]) -> tuple[list[int], str, float, list[float]]:
+    """The greedy loop every runtime shares: ``prefill()`` evaluates the prompt and returns the first token,
+    ``step(token)`` feeds one token and returns the next. Returns (ids without the stop token, 'eos' or 'length',
+    TTFT seconds, per-step decode seconds); ``len(times)`` ids were fed back into the model."""
+    stops = set(stop_ids)
+    t0 = time.perf_counter()
+    token = prefill()
+    ttft = time.perf_counter() - t0
+    ids: list[int] = []
+    times: list[float] = []
+    while token not in stops:
+        ids.append(token)
+        if len(ids) >= max_new_tokens:
+            return ids, "length", ttft, times
+        t = time.perf_counter()
+        token = step(token)
+        times.append(time.perf_counter() - t)
+    return ids, "eos", ttft, times
+
+
 class Runtime(abc.ABC):
     """A loaded artifact. Subclasses set ``self.info`` (device, dtype, threads, kernel, ...)."""
 
@@ -29,8 +51,8 @@ class Runtime(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> Generation:
-        """Greedy decoding from ``prompt_ids``. A prompt that extends the previous call's tokens may reuse
-        their cache (multi-turn); set ``fresh=True`` semantics via ``reset()`` for timing probes."""
+        """Greedy decoding from ``prompt_ids`` (via ``greedy_decode``). A prompt that extends the previous call's
+        tokens reuses their cache (multi-turn); ``reset()`` first for a cold prefill (timing probes)."""
 
     @abc.abstractmethod
     def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:

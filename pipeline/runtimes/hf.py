@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -11,7 +10,7 @@ import numpy as np
 import torch
 
 from pipeline.config import ConfigError, RuntimeConfig
-from pipeline.runtimes.base import Generation, Runtime
+from pipeline.runtimes.base import Generation, Runtime, greedy_decode
 
 log = logging.getLogger(__name__)
 
@@ -83,32 +82,17 @@ class HFRuntime(Runtime):
         else:
             self._cache = self._new_cache()
         cache = self._cache
-        stops = set(stop_ids)
-        new = torch.tensor([prompt[reuse:]], dtype=torch.long, device=self.device)
-        t0 = time.perf_counter()
-        out = self.model(input_ids=new, cache=cache, use_cache=True, logits_to_keep=1)
-        token = int(out.logits[0, -1].argmax())
-        self._sync()
-        ttft = time.perf_counter() - t0
-        ids: list[int] = []
-        times: list[float] = []
-        stop = "length"
-        fed = list(prompt)
-        while True:
-            if token in stops:
-                stop = "eos"
-                break
-            ids.append(token)
-            if len(ids) >= max_new_tokens:
-                break
-            t = time.perf_counter()
-            out = self.model(input_ids=torch.tensor([[token]], device=self.device), cache=cache,
+
+        def forward(input_ids: list[list[int]]) -> int:
+            out = self.model(input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device), cache=cache,
                              use_cache=True, logits_to_keep=1)
-            fed.append(token)
             token = int(out.logits[0, -1].argmax())
             self._sync()
-            times.append(time.perf_counter() - t)
-        self._cache_ids = fed
+            return token
+
+        ids, stop, ttft, times = greedy_decode(lambda: forward([prompt[reuse:]]), lambda t: forward([[t]]),
+                                               max_new_tokens, stop_ids)
+        self._cache_ids = prompt + ids[: len(times)]
         return Generation(ids=ids, stop=stop, prompt_tokens=len(prompt), prefill_tokens=len(prompt) - reuse,
                           ttft_s=ttft, decode_times_s=times)
 

@@ -6,14 +6,13 @@ import contextlib
 import io
 import logging
 import re
-import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from pipeline.config import ConfigError, RuntimeConfig
-from pipeline.runtimes.base import Generation, Runtime
+from pipeline.runtimes.base import Generation, Runtime, greedy_decode
 
 log = logging.getLogger(__name__)
 
@@ -117,25 +116,13 @@ class LlamaCppRuntime(Runtime):
             reuse += 1
         reuse = min(reuse, len(prompt) - 1)   # at least one token must be evaluated to get its logits
         self.llm.n_tokens = reuse             # eval() drops KV cells from here on
-        stops = set(stop_ids)
-        t0 = time.perf_counter()
-        self.llm.eval(prompt[reuse:])
-        token = int(np.argmax(self._last_logits()))
-        ttft = time.perf_counter() - t0
-        ids: list[int] = []
-        times: list[float] = []
-        stop = "length"
-        while True:
-            if token in stops:
-                stop = "eos"
-                break
-            ids.append(token)
-            if len(ids) >= max_new_tokens:
-                break
-            t = time.perf_counter()
-            self.llm.eval([token])
-            token = int(np.argmax(self._last_logits()))
-            times.append(time.perf_counter() - t)
+
+        def feed(tokens: list[int]) -> int:
+            self.llm.eval(tokens)
+            return int(np.argmax(self._last_logits()))
+
+        ids, stop, ttft, times = greedy_decode(lambda: feed(prompt[reuse:]), lambda t: feed([t]), max_new_tokens,
+                                               stop_ids)
         return Generation(ids=ids, stop=stop, prompt_tokens=len(prompt), prefill_tokens=len(prompt) - reuse,
                           ttft_s=ttft, decode_times_s=times)
 

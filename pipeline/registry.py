@@ -1,0 +1,14 @@
+"""Name -> class tables for quantizers and runtimes, imported lazily so heavy libraries load only when used."""
+
+from __future__ import annotations
+
+import importlib
+
+
+def load_class(table: dict[str, str], name: str, kind: str):
+    from pipeline.config import ConfigError
+
+    if name not in table:
+        raise ConfigError(f"unknown {kind} {name!r}: expected one of {', '.join(sorted(table))}")
+    module, cls = table[name].split(":")
+    return getattr(importlib.import_module(module), cls)
