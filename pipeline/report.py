@@ -175,7 +175,7 @@ def render_markdown(summary: dict, plots: dict[str, str]) -> str:
     lines += ["", "## Environment", "",
               f"{hw['cpu']}, {hw['cores']} cores; threads {summary['run']['threads']}, device {summary['run']['device']}. "
               + ", ".join(f"{k} {v}" for k, v in ver.items()) + ".",
-              f"Samples: `samples.jsonl` beside this file (one line per variant × conversation turn)."]
+              "Samples: `samples.jsonl` beside this file (one line per variant × conversation turn)."]
     return "\n".join(lines) + "\n"
 
 

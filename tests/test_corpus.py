@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline.config import ConfigError, PROJECT_ROOT, VariantConfig
+from pipeline.config import ConfigError, PROJECT_ROOT
 from pipeline.corpus import chunk_plan, corpus_drift
 
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from pipeline import metrics
-from pipeline.config import VariantConfig, load_variant
+from pipeline.config import load_variant
 from pipeline.quantizers.base import Skip
-from pipeline.quantizers.gptq import choose_group_size, quantized_input_sizes
+from pipeline.quantizers.gptq import choose_group_size
 
 TEXT = ("Purchase order PO-88412 for 240 ergonomic chairs at USD 189.00 each was approved by Marta Okafor on "
         "12 May; delivery to the Leeds warehouse is due within 21 days of approval. ") * 3

@@ -8,7 +8,6 @@ import pytest
 
 from pipeline.cli import run
 from pipeline.config import PROJECT_ROOT
-from tests.conftest import compose
 
 DRIFT = ("kld_mean", "kld_median", "kld_p99", "top1_agreement", "delta_nll", "pass_rate", "flip_rate")
 SPEED = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s")
