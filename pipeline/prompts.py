@@ -121,6 +121,18 @@ def parse_record(path: Path, line: int, raw: Any, suite: str) -> Conversation:
     return Conversation(id=cid, suite=suite, turns=turns, system=system, category=str(raw.get("category", "")))
 
 
+def iter_jsonl(path: Path):
+    """(line number, parsed object) for every non-blank line; invalid JSON fails naming file, line and column."""
+    with open(path, encoding="utf-8") as fh:
+        for lineno, text in enumerate(fh, start=1):
+            if not text.strip():
+                continue
+            try:
+                yield lineno, json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise PromptError(f"{path}:{lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+
+
 def load_suite(name: str, path: str | Path) -> list[Conversation]:
     """Load and validate a suite file. Raises PromptError naming file, line and field."""
     path = Path(path)
@@ -128,19 +140,12 @@ def load_suite(name: str, path: str | Path) -> list[Conversation]:
         raise PromptError(f"suite '{name}': file {path} does not exist (expected a JSONL file, see prompts/SCHEMA.md)")
     convs: list[Conversation] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as fh:
-        for lineno, text in enumerate(fh, start=1):
-            if not text.strip():
-                continue
-            try:
-                raw = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise PromptError(f"{path}:{lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-            conv = parse_record(path, lineno, raw, name)
-            if conv.id in seen:
-                _fail(path, lineno, "id", f"duplicate id {conv.id!r} (first on line {seen[conv.id]})")
-            seen[conv.id] = lineno
-            convs.append(conv)
+    for lineno, raw in iter_jsonl(path):
+        conv = parse_record(path, lineno, raw, name)
+        if conv.id in seen:
+            _fail(path, lineno, "id", f"duplicate id {conv.id!r} (first on line {seen[conv.id]})")
+        seen[conv.id] = lineno
+        convs.append(conv)
     if not convs:
         raise PromptError(f"suite '{name}': {path} holds no records (expected at least one conversation)")
     _cross_check_with_datasets(path, len(convs))

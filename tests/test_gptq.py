@@ -52,18 +52,28 @@ def quantized(tmp_path_factory, tiny_tokenizer_dir):
     return cfg, original, arts
 
 
-@pytest.mark.slow
-def test_gptq_and_awq_folders_load_with_plain_transformers_and_gptqmodel(quantized):
+@pytest.fixture(scope="module")
+def reference(quantized):
+    """The unquantized tiny model's log-probs on TEXT: (input ids tensor, float log-probs array)."""
     import torch
-    from gptqmodel import GPTQModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg, original, arts = quantized
+    _, original, _ = quantized
     tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
     ids = torch.tensor([tok(TEXT, add_special_tokens=False)["input_ids"][:96]])
     ref = AutoModelForCausalLM.from_pretrained(str(original.checkpoint), dtype=torch.float32).eval()
     with torch.no_grad():
-        lp_ref = torch.log_softmax(ref(ids).logits[0].float(), -1).numpy()
+        return ids, torch.log_softmax(ref(ids).logits[0].float(), -1).numpy()
+
+
+@pytest.mark.slow
+def test_gptq_and_awq_folders_load_with_plain_transformers_and_gptqmodel(quantized, reference):
+    import torch
+    from gptqmodel import GPTQModel
+    from transformers import AutoModelForCausalLM
+
+    cfg, original, arts = quantized
+    ids, lp_ref = reference
     kld = {}
     for name, art in arts.items():
         qc = json.loads((art.path / "config.json").read_text())["quantization_config"]
@@ -83,20 +93,16 @@ def test_gptq_and_awq_folders_load_with_plain_transformers_and_gptqmodel(quantiz
 
 
 @pytest.mark.slow
-def test_dequantized_weights_reproduce_the_kernel(quantized):
+def test_dequantized_weights_reproduce_the_kernel(quantized, reference):
     """The check that licenses the dequantized stand-in for free-running: on a sample, kernel and dequantized
     paths give mean KLD within 5 % and the same greedy token at most positions."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from pipeline.quantizers.dequant import dense_state_dict
 
     cfg, original, arts = quantized
-    tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
-    ids = torch.tensor([tok(TEXT, add_special_tokens=False)["input_ids"][:96]])
-    ref = AutoModelForCausalLM.from_pretrained(str(original.checkpoint), dtype=torch.float32).eval()
-    with torch.no_grad():
-        lp_ref = torch.log_softmax(ref(ids).logits[0].float(), -1).numpy()
+    ids, lp_ref = reference
     for name, art in arts.items():
         kernel = AutoModelForCausalLM.from_pretrained(str(art.path), dtype=torch.float32, device_map="cpu").eval()
         dense = AutoModelForCausalLM.from_pretrained(str(original.checkpoint), dtype=torch.float32).eval()

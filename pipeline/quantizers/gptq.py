@@ -83,18 +83,13 @@ def load_calibration(spec: dict, tokenizer, samples: int, seq_len: int) -> list[
         if not path.is_file():
             raise ConfigError(f"calibration.path={str(path)!r} does not exist: expected a JSONL file with a "
                               f"'{field}' field per line")
+        from pipeline.prompts import iter_jsonl
+
         texts = []
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
-                if not isinstance(row.get(field), str):
-                    raise ConfigError(f"{path}:{lineno}: field '{field}': expected a string")
-                texts.append(row[field])
+        for lineno, row in iter_jsonl(path):
+            if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                raise ConfigError(f"{path}:{lineno}: field '{field}': expected a string")
+            texts.append(row[field])
     if not texts:
         raise ConfigError(f"calibration source {spec} holds no texts")
     out = []
