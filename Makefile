@@ -16,8 +16,13 @@ LLAMA_CPP_SRC := $(CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)
 
 MODEL ?= smollm2
 PROFILE ?= quick
-VARIANTS ?= original,gguf_f16,gguf_q8_0,gguf_q6_k,gguf_q5_k_m,gguf_q4_k_m,gguf_q4_0,gptq_w4,gptq_w8,awq_w4
-SUITES ?= long_output,multi_turn
+VARIANTS ?= original,gguf_f16,gguf_q8_0,gguf_q4_k_m,gguf_q4_0,gptq_w4,awq_w4,original+kv_int8,gguf_q8_0+kv_q8_0,gguf_q4_k_m+kv_q8_0
+# The long-context recall suite (1k/2k/4k-token documents) runs in the full profile; quick stays within 15 minutes.
+ifeq ($(PROFILE),full)
+  SUITES ?= long_output,multi_turn,long_context
+else
+  SUITES ?= long_output,multi_turn
+endif
 ARGS ?=
 
 # llama.cpp is built for an AVX2 baseline, not -march=native: some VMs advertise AMX/AVX-512 that the kernel
@@ -42,7 +47,7 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare report test bench clean-venv converter llama-wheel
+.PHONY: setup compare report test bench clean-venv converter llama-wheel browser nightly promote print-variants print-suites
 
 setup: $(VENV)/.installed
 
@@ -83,8 +88,30 @@ compare: setup
 report: setup
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 
-test: setup
+test: setup browser
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# Headless Chromium renders report.html in a test. Debian's package, installed when missing and we may (root);
+# elsewhere the test is skipped with the reason.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
+	  || echo "note: chromium not installed; the report rendering test will be skipped"; }
+
+# Nightly regression job (see scripts/nightly): exit 0 no regression; make reports any failure as 2, the script
+# itself exits 1 for a regression and 2 when the run failed.
+BASELINE ?=
+nightly: setup
+	scripts/nightly MODEL=$(MODEL) PROFILE=$(PROFILE) VARIANTS=$(VARIANTS) SUITES=$(SUITES) BASELINE=$(BASELINE) ARGS="$(ARGS)"
+
+# `quantdrift baseline promote RUN`: make results/<model>/RUN the baseline of that run name (the old one is kept).
+promote: setup
+	$(VENV)/bin/quantdrift baseline promote $(or $(RUN),$(PROFILE)) $(COMMON)
+
+print-variants:
+	@echo $(VARIANTS)
+print-suites:
+	@echo $(SUITES)
 
 bench: setup
 	$(VENV)/bin/quantdrift command=bench run.variants=[$(VARIANTS)] $(COMMON)

@@ -53,7 +53,7 @@ def run_bench(cfg: Config) -> int:
     names = cfg.run.variants or [cfg.variant.name]
     original = prepare(cfg.model, cfg.model_dir)
     renderer = ChatRenderer(original.checkpoint, cfg.model.trust_remote_code, cfg.model.allow_plain_template)
-    suites = load_suites(cfg)
+    suites = load_suites(cfg, original, renderer)
     refs, producer, _ = setup_reference(cfg, original, renderer, suites)
     longest = max((tr for r in refs.values() for tr in r.transcripts), key=lambda tr: len(tr["ids"]))
     positions = reply_positions(longest)[0].tolist()

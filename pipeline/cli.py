@@ -3,6 +3,8 @@
     quantdrift [overrides]                      evaluate one variant (default command)
     quantdrift -m variant=a,b,c [overrides]     a sweep, one Hydra job per variant
     quantdrift report|bench|prepare [overrides]
+    quantdrift regress [baseline=PATH] [overrides]   nightly gate: exit 0 ok, 1 regression, 2 the run failed
+    quantdrift baseline promote RUN [overrides]      make results/<model>/RUN the baseline (old one kept)
     quantdrift corpus variant=NAME file=PATH ctx=512 [json=true]
 
 Exit codes: 0 done; 2 bad input or configuration (the message says which and what was expected);
@@ -18,7 +20,7 @@ from pipeline.config import PROJECT_ROOT, Config, ConfigError, register_resolver
 
 log = logging.getLogger("quantdrift")
 
-SUBCOMMANDS = ("evaluate", "report", "corpus", "bench", "prepare")
+SUBCOMMANDS = ("evaluate", "report", "regress", "baseline", "corpus", "bench", "prepare")
 _CORPUS_SHORTHAND = ("file", "ctx", "json", "max_chunks")
 EXIT_BAD_INPUT = 2
 EXIT_VARIANT_FAILED = 3
@@ -52,6 +54,17 @@ def run(cfg: Config) -> int:
             print(f"failed variants: {', '.join(failed)}", file=sys.stderr)
             return EXIT_VARIANT_FAILED
         return 0
+    if cfg.command == "regress":
+        from pipeline.regress import run_regress
+
+        return run_regress(cfg)
+    if cfg.command == "baseline":
+        from pipeline.regress import promote
+
+        if not cfg.regress.promote:
+            raise ConfigError("baseline: expected `quantdrift baseline promote RUN` (RUN: a folder under "
+                              f"{cfg.paths.results}/{cfg.model.name}/)")
+        return promote(cfg, cfg.regress.promote)
     if cfg.command == "corpus":
         from pipeline.corpus import run_corpus
 
@@ -74,6 +87,13 @@ def _translate(argv: list[str]) -> list[str]:
         cmd, rest = argv[0], argv[1:]
         if cmd == "corpus":
             rest = [f"corpus.{a}" if a.split("=", 1)[0] in _CORPUS_SHORTHAND else a for a in rest]
+        if cmd == "regress":
+            rest = [f"regress.{a}" if a.split("=", 1)[0] in ("baseline", "junit", "compare_all") else a for a in rest]
+        if cmd == "baseline":
+            if len(rest) < 2 or rest[0] != "promote" or "=" in rest[1]:
+                rest = ["regress.promote="] + rest      # validated in run(): names the expected form
+            else:
+                rest = [f"regress.promote={rest[1]}"] + rest[2:]
         return [f"command={cmd}"] + rest
     return argv
 

@@ -16,6 +16,11 @@ class ConfigError(ValueError):
     """A user-facing configuration or input problem. The CLI prints it without a traceback and exits 2."""
 
 
+class Skip(Exception):
+    """A variant that cannot be built or run here (an impossible combination, a format the model does not
+    allow); it is reported as skipped with this reason, never hidden, and the other variants still run."""
+
+
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is not valid: expected {allowed}")
@@ -72,6 +77,8 @@ class VariantConfig:
     quantize: dict = field(default_factory=dict)
     # runtime-specific settings (e.g. {"flash_attn": true}).
     runtime_options: dict = field(default_factory=dict)
+    # The weight variant whose artifact this one loads (set when a KV-cache setting is applied: NAME+kv_...).
+    base: str = ""
 
     def __post_init__(self) -> None:
         _require(bool(self.name) and all(c.isalnum() or c in "-_.+" for c in self.name), "variant.name", self.name,
@@ -81,15 +88,99 @@ class VariantConfig:
 
         _one_of("variant.quantizer", self.quantizer, tuple(sorted(QUANTIZERS)))
         _one_of("variant.runtime", self.runtime, tuple(sorted(RUNTIMES)))
+        if not self.base:
+            self.base = self.name.split("+", 1)[0]
+
+
+@dataclass
+class KVCacheConfig:
+    """KV-cache precision: a runtime setting layered on a weight variant (conf/kv_cache/)."""
+
+    name: str = "fp16"
+    bits: int | None = None          # None: the runtime's full-precision cache
+    residual_length: int = 16        # hf: newest tokens kept in full precision
+    score_chunk: int = 16            # hf: reply tokens per teacher-forced chunk through the cache
+
+    LLAMACPP_TYPES = {8: "q8_0", 4: "q4_0"}
+
+    def __post_init__(self) -> None:
+        _require(self.bits in (None, 8, 4), "kv_cache.bits", self.bits, "null (full precision), 8 or 4")
+        _positive_int("kv_cache.residual_length", self.residual_length)
+        _positive_int("kv_cache.score_chunk", self.score_chunk)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def suffix(self, runtime: str) -> str:
+        return f"kv_{self.LLAMACPP_TYPES[self.bits]}" if runtime == "llamacpp" else f"kv_int{self.bits}"
+
+
+def apply_kv_cache(variant: VariantConfig, kv: KVCacheConfig) -> VariantConfig:
+    """The variant with the KV-cache setting folded into its runtime options and its name (BASE+kv_TYPE)."""
+    if not kv.quantized:
+        if "+kv_" in variant.name:
+            raise ConfigError(f"variant {variant.name!r} is a KV-cache variant but kv_cache={kv.name} is full "
+                              f"precision: drop the kv_cache override, or use variant={variant.base}")
+        return variant
+    opts = dict(variant.runtime_options)
+    if variant.runtime == "llamacpp":
+        opts["cache_type_k"] = opts["cache_type_v"] = KVCacheConfig.LLAMACPP_TYPES[kv.bits]
+        opts["flash_attn"] = True    # llama.cpp requires it for a quantized V cache
+    else:
+        opts["kv_cache"] = {"bits": kv.bits, "residual_length": kv.residual_length, "score_chunk": kv.score_chunk}
+    name = f"{variant.base}+{kv.suffix(variant.runtime)}"
+    return dataclasses.replace(variant, name=name, runtime_options=opts,
+                               description=f"{variant.description.rstrip('.')}, KV cache {kv.suffix(variant.runtime)[3:]}")
 
 
 @dataclass
 class SuiteConfig:
     name: str
-    path: str
+    path: str = ""
+    # A suite generated per model tokenizer instead of read from `path`, e.g. the long-context recall documents:
+    # {kind: recall, lengths: [1024, 2048, 4096], depths: [0.1, ...], seed: 0, answer_tokens: 32}
+    generate: dict | None = None
+
+    GENERATORS = ("recall",)
 
     def __post_init__(self) -> None:
-        _require(bool(self.path), f"suites.{self.name}.path", self.path, "a path to a JSONL file")
+        if self.generate:
+            _one_of(f"suites.{self.name}.generate.kind", self.generate.get("kind"), self.GENERATORS)
+            for d in self.generate.get("depths", []):
+                _require(isinstance(d, (int, float)) and 0 < d < 1, f"suites.{self.name}.generate.depths", d,
+                         "fractions strictly between 0 and 1")
+            for n in self.generate.get("lengths", []):
+                _positive_int(f"suites.{self.name}.generate.lengths", n)
+        else:
+            _require(bool(self.path), f"suites.{self.name}.path", self.path, "a path to a JSONL file")
+
+
+@dataclass
+class CapacityConfig:
+    """How many concurrent sequences fit a memory budget (report's capacity plan)."""
+
+    memory_budget_gb: list = field(default_factory=lambda: [16, 24, 48, 80])
+    context_tokens: int = 4096
+    headroom: float = 0.2
+    # The published full size to plan for (a 135M demo answering a 7B question); its geometry below.
+    params_b: float | None = None
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        if isinstance(self.memory_budget_gb, (int, float)):
+            self.memory_budget_gb = [self.memory_budget_gb]
+        for b in self.memory_budget_gb:
+            _require(isinstance(b, (int, float)) and b > 0, "capacity.memory_budget_gb", b, "positive numbers (GB)")
+        _positive_int("capacity.context_tokens", self.context_tokens)
+        _require(isinstance(self.headroom, (int, float)) and 0 <= self.headroom < 1, "capacity.headroom",
+                 self.headroom, "a fraction in [0, 1)")
+        _require(self.params_b is None or (isinstance(self.params_b, (int, float)) and self.params_b > 0),
+                 "capacity.params_b", self.params_b, "null or a positive number of billions of parameters")
+        for key in ("layers", "kv_heads", "head_dim"):
+            _positive_int(f"capacity.{key}", getattr(self, key))
 
 
 @dataclass
@@ -141,6 +232,7 @@ class RuntimeConfig:
     n_batch: int = 512            # llama.cpp batch for prefill and scoring
     n_gpu_layers: int = -1        # llama.cpp layers offloaded when device is cuda
     score_chunk: int = 1024       # HF: positions per log-softmax chunk when scoring
+    flash_attn: bool = True       # llama.cpp: flash attention for every variant (a quantized V cache requires it)
 
     def __post_init__(self) -> None:
         ok = self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
@@ -179,9 +271,47 @@ class DecisionConfig:
     min_decode_tokens_per_s: float | None = None
     max_peak_rss_mb: float | None = None
     max_artifact_bytes: int | None = None
+    # Objective values within this fraction of the best are a tie (speed figures move by several % between runs);
+    # a tie goes to the variant with the lower mean KLD.
+    tie_tolerance: float = 0.05
+    # A reply is flagged degenerate when either limit is crossed; flagged replies are counted per variant.
+    degeneration: dict = field(default_factory=lambda: {"max_repeated_4gram_rate": 0.35, "max_loop_tokens": 32})
 
     def __post_init__(self) -> None:
         _one_of("decision.objective", self.objective, ("decode_speed", "memory", "size"))
+        _require(isinstance(self.tie_tolerance, (int, float)) and 0 <= self.tie_tolerance < 1,
+                 "decision.tie_tolerance", self.tie_tolerance, "a fraction in [0, 1)")
+        for k in self.degeneration or {}:
+            _one_of(f"decision.degeneration.{k}", k, ("max_repeated_4gram_rate", "max_loop_tokens"))
+
+
+@dataclass
+class RegressConfig:
+    name: str = "default"
+    baseline: str = ""
+    compare_all: bool = False
+    junit: str = ""
+    tolerances: dict = field(default_factory=dict)
+    per_variant: dict = field(default_factory=dict)
+    promote: str = ""            # `quantdrift baseline promote RUN`: the run to make the new baseline
+
+    KEYS = ("rel", "abs", "ratio", "interval", "better")
+    HARDWARE_INDEPENDENT = ("kld_mean", "kld_p99", "top1_agreement", "pass_rate", "flip_rate")
+
+    def __post_init__(self) -> None:
+        from pipeline.regress import METRICS
+
+        for where, tol in [("tolerances", self.tolerances)] + [(f"per_variant.{v}", t)
+                                                              for v, t in (self.per_variant or {}).items()]:
+            for metric, spec in (tol or {}).items():
+                _one_of(f"regress.{where} metric", metric, tuple(METRICS))
+                for k, val in (spec or {}).items():
+                    _one_of(f"regress.{where}.{metric}", k, self.KEYS)
+                    if k == "better":
+                        _one_of(f"regress.{where}.{metric}.better", val, ("lower", "higher"))
+                    elif k != "interval":
+                        _require(isinstance(val, (int, float)) and val >= 0, f"regress.{where}.{metric}.{k}", val,
+                                 "a non-negative number")
 
 
 @dataclass
@@ -223,15 +353,19 @@ class Config:
     run: RunSection
     suites: dict[str, SuiteConfig]
     corpus: CorpusConfig
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    regress: RegressConfig = field(default_factory=RegressConfig)
     force: bool = False
     seed: int = 0
 
-    COMMANDS = ("evaluate", "report", "corpus", "bench", "prepare")
+    COMMANDS = ("evaluate", "report", "regress", "baseline", "corpus", "bench", "prepare")
 
     def __post_init__(self) -> None:
         _one_of("command", self.command, self.COMMANDS)
         if not self.run.name:
             self.run.name = self.profile.name
+        self.variant = apply_kv_cache(self.variant, self.kv_cache)
         for s in self.run.suites:
             if s not in self.suites:
                 raise ConfigError(f"run.suites contains {s!r}, which is not a known suite: expected one of "
@@ -273,7 +407,7 @@ def from_dict(raw: dict) -> Config:
     sections = {
         "model": ModelConfig, "variant": VariantConfig, "profile": ProfileConfig, "runtime": RuntimeConfig,
         "reference": ReferenceConfig, "decision": DecisionConfig, "paths": PathsConfig, "run": RunSection,
-        "corpus": CorpusConfig,
+        "corpus": CorpusConfig, "kv_cache": KVCacheConfig, "capacity": CapacityConfig, "regress": RegressConfig,
     }
     built = {key: _build(cls, raw.pop(key, None), key) for key, cls in sections.items()}
     command = raw.pop("command", "evaluate")
@@ -294,15 +428,30 @@ def known_variants() -> list[str]:
     return sorted(p.stem for p in (PROJECT_ROOT / "conf" / "variant").glob("*.yaml"))
 
 
-def load_variant(name: str) -> VariantConfig:
-    """conf/variant/NAME.yaml as a typed VariantConfig; an unknown name lists the known ones."""
+def load_variant(name: str, kv_cache: str | None = None) -> VariantConfig:
+    """conf/variant/NAME.yaml (composed by Hydra, so a KV variant's defaults apply) as a typed VariantConfig with
+    its KV-cache setting folded in; an unknown name lists the known ones."""
+    if name not in known_variants():
+        base, _, kv = name.partition("+")
+        if kv and base in known_variants():   # BASE+kv_q8_0 / BASE+kv_int8 composed from the command line
+            return load_variant(base, kv_cache="int8" if kv in ("kv_q8_0", "kv_int8") else "int4")
+        raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join(known_variants())}")
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    if name not in known_variants():
-        raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join(known_variants())}")
     register_resolvers()
-    raw = OmegaConf.to_container(OmegaConf.load(PROJECT_ROOT / "conf" / "variant" / f"{name}.yaml"), resolve=True)
-    return _build(VariantConfig, raw, f"variant {name}")
+    overrides = [f"variant={name}"] + ([f"kv_cache={kv_cache}"] if kv_cache else [])
+    if GlobalHydra.instance().is_initialized():   # inside a Hydra job (the same conf/ tree is loaded)
+        from hydra.types import RunMode
+
+        raw = GlobalHydra.instance().hydra.compose_config("config", overrides, run_mode=RunMode.RUN)  # type: ignore[union-attr]
+    else:
+        with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+            raw = compose("config", overrides=overrides)
+    variant = _build(VariantConfig, OmegaConf.to_container(raw.variant, resolve=True), f"variant {name}")
+    return apply_kv_cache(variant, _build(KVCacheConfig, OmegaConf.to_container(raw.kv_cache, resolve=True),
+                                          "kv_cache"))
 
 
 def register_resolvers() -> None:

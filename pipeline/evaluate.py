@@ -98,12 +98,12 @@ def dequantized_proxy(cfg: Config, artifact: Artifact) -> Path:
     from pipeline.quantizers.gguf import convert_checkpoint
     from pipeline.store import run_stage
 
-    dense_dir = cfg.model_dir / "variants" / f"{cfg.variant.name}.dequantized"
-    run_stage(f"dequantize:{cfg.variant.name}", dense_dir, {"artifact": artifact.hash},
+    dense_dir = cfg.model_dir / "variants" / f"{cfg.variant.base}.dequantized"
+    run_stage(f"dequantize:{cfg.variant.base}", dense_dir, {"artifact": artifact.hash},
               lambda tmp: write_dense_checkpoint(artifact.path, tmp / "checkpoint") or {"artifact": "checkpoint"},
               force=cfg.force)
     return convert_checkpoint(cfg, dense_dir / "checkpoint", artifact.hash, cfg.model.name,
-                              cfg.model_dir / "variants" / f"{cfg.variant.name}.dequantized-f16")
+                              cfg.model_dir / "variants" / f"{cfg.variant.base}.dequantized-f16")
 
 
 def _choose_generator(cfg: Config, kernel_rt, artifact: Artifact, refs: dict, original: Original, need: int):
@@ -136,6 +136,7 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
         "variant": variant.name, "artifact": artifact.hash, "runtime": variant.runtime,
         "runtime_options": variant.runtime_options, "references": {s: r.hash for s, r in refs.items()},
         "threads": cfg.runtime.n_threads, "device": cfg.runtime.device, "speed": cfg.profile.speed.__dict__,
+        "flash_attn": cfg.runtime.flash_attn if variant.runtime == "llamacpp" else None,
         "probe_prompt": len(probe_prompt),
     }
     stop_ids = original.facts["eos_token_ids"]
@@ -157,8 +158,9 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
             for s in need_tf:
                 tf_journal.add(s, teacher_forced(rt, refs[s], cfg.reference.top_k))
             gen_rt, fr_note = rt, None
+            # The stand-in runs on llama.cpp, whose cache is not the hf int8 cache: a KV variant uses the kernel.
             if need_fr and variant.runtime_options.get("free_running") == "dequantized" \
-                    and artifact.info.get("format") in ("gptq", "awq"):
+                    and artifact.info.get("format") in ("gptq", "awq") and "kv_cache" not in variant.runtime_options:
                 gen_rt, fr_note = _choose_generator(cfg, rt, artifact, refs, original, need)
             for s in need_fr:
                 convs = {c.id: c for c in suites[s]}
@@ -180,13 +182,20 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
         free = {s: ({tr["id"]: tr for tr in refs[s].transcripts} if reuse_reference else fr_journal.get(s))
                 for s in refs}
         samples = []
+        meta = {s: {c.id: c.meta for c in suites[s] if c.meta} for s in refs}
         for s in refs:
             for tr in refs[s].transcripts:
                 var_tr = free[s][tr["id"]]
                 for row in compare_free_running(tr, var_tr):
-                    samples.append({"variant": variant.name, "suite": s, "conversation": tr["id"], **row})
+                    extra = {"meta": meta[s][tr["id"]]} if tr["id"] in meta[s] else {}
+                    samples.append({"variant": variant.name, "suite": s, "conversation": tr["id"], **row, **extra})
+        tf_all = {s: tf_journal.get(s) for s in refs}
+        for s, convs in tf_all.items():        # depth/length of recall documents, for drift by depth
+            for cid, c in convs.items():
+                if cid in meta[s]:
+                    c["meta"] = meta[s][cid]
         speed = probe_speed(cfg, variant, artifact, probe_prompt)
-        write_json(tmp / "teacher_forced.json", {s: tf_journal.get(s) for s in refs})
+        write_json(tmp / "teacher_forced.json", tf_all)
         write_jsonl(tmp / "samples.jsonl", samples)
         write_json(tmp / "speed.json", speed)
         path_note = fr_journal.get("_path") if "_path" in fr_journal else None

@@ -15,7 +15,7 @@ from pipeline.config import ConfigError
 
 CHECK_TYPES = ("contains", "not_contains", "regex", "number", "json")
 MAX_TURNS = 8
-_RECORD_KEYS = {"id", "category", "system", "turns"}
+_RECORD_KEYS = {"id", "category", "system", "turns", "meta"}
 _TURN_KEYS = {"user", "max_new_tokens", "checks"}
 _REGEX_FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL, "x": re.VERBOSE}
 
@@ -34,6 +34,8 @@ class Conversation:
     turns: list[Turn]
     system: str | None = None
     category: str = ""
+    # Free-form facts about the record that scoring groups by (e.g. a recall document's length and depth).
+    meta: dict = field(default_factory=dict)
 
     def n_checks(self) -> int:
         return sum(len(t.checks) for t in self.turns)
@@ -94,6 +96,9 @@ def parse_record(path: Path, line: int, raw: Any, suite: str) -> Conversation:
     cid = raw.get("id")
     if not isinstance(cid, str) or not cid:
         _fail(path, line, "id", "expected a non-empty string")
+    meta = raw.get("meta", {})
+    if not isinstance(meta, dict):
+        _fail(path, line, "meta", "expected an object or absent")
     system = raw.get("system")
     if system is not None and not isinstance(system, str):
         _fail(path, line, "system", "expected a string or absent")
@@ -118,7 +123,8 @@ def parse_record(path: Path, line: int, raw: Any, suite: str) -> Conversation:
             _fail(path, line, f"{where}.checks", "expected a list")
         checks = [_validate_check(path, line, f"{where}.checks[{j}]", c) for j, c in enumerate(checks)]
         turns.append(Turn(user=t["user"], max_new_tokens=budget, checks=checks))
-    return Conversation(id=cid, suite=suite, turns=turns, system=system, category=str(raw.get("category", "")))
+    return Conversation(id=cid, suite=suite, turns=turns, system=system, category=str(raw.get("category", "")),
+                        meta=meta)
 
 
 def iter_jsonl(path: Path):
@@ -176,7 +182,8 @@ def select(convs: list[Conversation], max_conversations: int | None, max_new_tok
             if max_new_tokens_cap:
                 budget = min(budget, max_new_tokens_cap)
             turns.append(Turn(user=t.user, max_new_tokens=budget, checks=t.checks))
-        out.append(Conversation(id=c.id, suite=c.suite, turns=turns, system=c.system, category=c.category))
+        out.append(Conversation(id=c.id, suite=c.suite, turns=turns, system=c.system, category=c.category,
+                                meta=c.meta))
     return out
 
 

@@ -77,7 +77,7 @@ def check_parity(cfg: Config, original: Original, f16_path: Path, f16_hash: str,
     texts = parity_texts(all_convs, renderer)
     out_dir = cfg.model_dir / "parity"
     key = {"original": original.hash, "f16": f16_hash, "texts": stable_hash(texts),
-           "tokens": cfg.reference.parity_tokens}
+           "tokens": cfg.reference.parity_tokens, "flash_attn": cfg.runtime.flash_attn}
 
     def build(tmp: Path) -> dict:
         from pipeline.metrics import kld_full
@@ -165,6 +165,7 @@ def build_reference(cfg: Config, original: Original, renderer: ChatRenderer, sui
         "conversations": stable_hash(convs),
         "top_k": cfg.reference.top_k,
         "template": original.facts.get("chat_template_hash"),
+        "flash_attn": cfg.runtime.flash_attn if producer["name"].endswith("llamacpp") else None,
     }
     stop_ids = original.facts["eos_token_ids"]
 

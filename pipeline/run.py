@@ -21,14 +21,43 @@ def result_path(cfg: Config, variant: str) -> Path:
     return cfg.model_dir / "runs" / cfg.run.name / f"{variant}.result.json"
 
 
-def load_suites(cfg: Config) -> dict:
+def load_suites(cfg: Config, original=None, renderer=None) -> dict:
+    """The selected suites, validated and cut to the profile. Generated suites (suites.NAME.generate) are built
+    once per model tokenizer into artifacts/<model>/suites/ and then read like any other suite file."""
     from pipeline.prompts import load_suite, select
 
     out = {}
     for suite in cfg.selected_suites():
-        convs = load_suite(suite.name, suite.path)
+        path = suite.path
+        if suite.generate:
+            if original is None or renderer is None:
+                raise ConfigError(f"suite {suite.name!r} is generated per tokenizer: it needs the prepared model")
+            path = generated_suite(cfg, suite, original, renderer)
+        convs = load_suite(suite.name, path)
         out[suite.name] = select(convs, *cfg.profile.limits(suite.name))
     return out
+
+
+def generated_suite(cfg: Config, suite, original, renderer) -> Path:
+    """Write a generated suite (cached by its settings and the tokenizer it was sized with)."""
+    from pipeline.store import run_stage
+
+    out_dir = cfg.model_dir / "suites" / suite.name
+    params = {k: v for k, v in suite.generate.items() if k != "kind"}
+    key = {"generate": suite.generate, "original": original.hash, "context": original.facts.get("context_length")}
+
+    def build(tmp: Path) -> dict:
+        from pipeline.longctx import generate
+
+        records = generate(tmp / "suite.jsonl", renderer.encode, max_context=original.facts.get("context_length"),
+                           **params)
+        if not records:
+            raise ConfigError(f"suite {suite.name!r}: no document length in {params.get('lengths')} fits the model's "
+                              f"context of {original.facts.get('context_length')} tokens")
+        return {"records": len(records)}
+
+    run_stage(f"suite:{suite.name}", out_dir, key, build, force=cfg.force)
+    return out_dir / "suite.jsonl"
 
 
 def probe_prompt(renderer, suites: dict, n_tokens: int) -> list[int]:
@@ -79,7 +108,8 @@ def evaluate_job(cfg: Config) -> dict:
     """Evaluate cfg.variant; always leaves a result file (ok, skipped or failed) for the report."""
     from pipeline.conversation import ChatRenderer
     from pipeline.prepare import prepare
-    from pipeline.quantizers.base import Skip, build_artifact
+    from pipeline.config import Skip
+    from pipeline.quantizers.base import build_artifact
 
     started = time.time()
     variant = cfg.variant
@@ -87,20 +117,23 @@ def evaluate_job(cfg: Config) -> dict:
             "description": variant.description}
     try:
         original = prepare(cfg.model, cfg.model_dir, force=cfg.force)
+        from pipeline.roofline import resolve_device, run_bandwidth
+
+        run_bandwidth(cfg, resolve_device(cfg.runtime.device))   # once per run, before any model is loaded
         renderer = ChatRenderer(original.checkpoint, cfg.model.trust_remote_code, cfg.model.allow_plain_template)
-        suites = load_suites(cfg)
+        suites = load_suites(cfg, original, renderer)
         refs, producer, parity = setup_reference(cfg, original, renderer, suites)
+        from pipeline.evaluate import evaluate_variant
+
         try:
             artifact = build_artifact(variant, original, cfg)
+            prompt = probe_prompt(renderer, suites, cfg.profile.speed.prompt_tokens)
+            raw = evaluate_variant(cfg, original, renderer, artifact, suites, refs, producer, prompt)
         except Skip as exc:
             result = {**base, "status": "skipped", "reason": str(exc)}
             write_json(result_path(cfg, variant.name), result)
             log.warning("%s skipped: %s", variant.name, exc)
             return result
-        from pipeline.evaluate import evaluate_variant
-
-        prompt = probe_prompt(renderer, suites, cfg.profile.speed.prompt_tokens)
-        raw = evaluate_variant(cfg, original, renderer, artifact, suites, refs, producer, prompt)
         result = {
             **base,
             "status": "ok",

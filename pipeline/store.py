@@ -139,8 +139,10 @@ def run_stage(stage: str, out_dir: Path, key: dict, build: Callable[[Path], dict
         if existing and existing.get("key_hash") == key_hash and not force:
             log.info("%s: up to date (%s), skipped", stage, out_dir)
             return existing
+        # Leftovers of a killed attempt (we hold the stage's lock, so nobody else is writing them).
+        for stale in list(out_dir.parent.glob(f"{out_dir.name}.tmp-*")) + list(out_dir.parent.glob(f"{out_dir.name}.old-*")):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         # Work files of an interrupted attempt live beside the output and are handed to the next attempt.
         journal_dir = journal_path(out_dir)
@@ -166,6 +168,20 @@ def run_stage(stage: str, out_dir: Path, key: dict, build: Callable[[Path], dict
         shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(journal_dir, ignore_errors=True)
         return manifest
+
+
+def check_free_space(path: Path, need_bytes: float, what: str) -> None:
+    """Stop before a long write that cannot fit: names the folder, what is needed and what is free."""
+    from pipeline.config import ConfigError
+
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < need_bytes:
+        raise ConfigError(f"not enough free disk space for {what}: it needs about {need_bytes / 1e9:.2f} GB in "
+                          f"{probe}, and {free / 1e9:.2f} GB are free. Free some space or point paths.artifacts "
+                          "at a larger disk; everything computed so far is kept")
 
 
 def journal_path(out_dir: Path) -> Path:

@@ -47,14 +47,15 @@ def tiny_tokenizer_dir(tmp_path_factory, embedded_gguf) -> Path:
     return out
 
 
-def build_tiny_llama(out: Path, tokenizer_dir: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+def build_tiny_llama(out: Path, tokenizer_dir: Path, seed: int = 0, hidden: int = 64, layers: int = 2,
+                     heads: int = 4) -> Path:
     """A random LlamaForCausalLM with SmolLM2's 49152-token vocabulary: ~3.5M parameters, fp32 safetensors."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=2048,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():   # larger-than-default init so the distributions are peaked enough to matter

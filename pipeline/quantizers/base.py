@@ -6,13 +6,9 @@ import abc
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import Config, VariantConfig
+from pipeline.config import Config, Skip, VariantConfig  # noqa: F401  (Skip is re-exported for quantizers)
 from pipeline.prepare import Original
 from pipeline.store import dir_bytes, run_stage
-
-
-class Skip(Exception):
-    """A variant that cannot be built or run here; the reason is reported, never hidden."""
 
 
 @dataclass
@@ -32,7 +28,7 @@ class Quantizer(abc.ABC):
 
     @property
     def out_dir(self) -> Path:
-        return self.cfg.model_dir / "variants" / self.variant.name
+        return self.cfg.model_dir / "variants" / self.variant.base   # KV variants share their weights' artifact
 
     @abc.abstractmethod
     def key(self) -> dict:
@@ -42,9 +38,21 @@ class Quantizer(abc.ABC):
     def build(self, tmp: Path) -> dict:
         """Write the artifact into ``tmp``; return facts for the manifest (must include 'artifact': file name)."""
 
+    def needed_bytes(self) -> float:
+        """Free disk space to ask for before building: the original checkpoint's size (every quantized format is
+        smaller) plus 10 %."""
+        return 1.1 * dir_bytes(self.original.checkpoint)
+
+    def _checked_build(self, tmp: Path) -> dict:
+        from pipeline.store import check_free_space
+
+        check_free_space(tmp, self.needed_bytes(), f"quantizing {self.variant.base}")
+        return self.build(tmp)
+
     def run(self) -> Artifact:
-        key = {"original": self.original.hash, "variant": self.variant.name, **self.key()}
-        manifest = run_stage(f"quantize:{self.variant.name}", self.out_dir, key, self.build, force=self.cfg.force)
+        key = {"original": self.original.hash, "variant": self.variant.base, **self.key()}
+        manifest = run_stage(f"quantize:{self.variant.base}", self.out_dir, key, self._checked_build,
+                             force=self.cfg.force)
         path = self.out_dir / manifest["artifact"]
         return Artifact(variant=self.variant.name, path=path, bytes=dir_bytes(path), hash=manifest["key_hash"],
                         info={k: v for k, v in manifest.items() if k not in ("key", "versions", "hardware")})

@@ -47,6 +47,9 @@ def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_
                           "which fetches the llama-cpp-python source distribution into paths.cache")
 
     def build(tmp: Path) -> dict:
+        from pipeline.store import check_free_space, dir_bytes
+
+        check_free_space(tmp, 1.1 * dir_bytes(checkpoint), f"converting {checkpoint.name} to F16 GGUF")
         env = dict(os.environ, PYTHONPATH=str(src / "gguf-py") + os.pathsep + str(src), NO_LOCAL_GGUF="")
         cmd = [sys.executable, str(script), str(checkpoint), "--outfile", str(tmp / F16_FILE), "--outtype", "f16",
                "--model-name", model_name]

@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pipeline.config import ConfigError, RuntimeConfig
+from pipeline.config import ConfigError, RuntimeConfig, Skip
 from pipeline.runtimes.base import Generation, Runtime, greedy_decode
 
 log = logging.getLogger(__name__)
@@ -45,13 +45,22 @@ class HFRuntime(Runtime):
         ).to(self.device).eval()
         self._cache = None
         self._cache_ids: list[int] = []
+        self.kv = options.get("kv_cache")     # {"bits", "residual_length", "score_chunk"} or None
+        if self.kv:
+            kinds = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
+            if kinds != {"full_attention"}:
+                raise Skip(f"the hf integer KV cache supports full-attention layers only; this model has "
+                           f"{sorted(kinds)} layers")
         self.info = {
             "runtime": "hf",
             "device": self.device,
             "dtype": str(self.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(),
             "kernel": self._kernel_name(),
+            "kv_cache_dtype": f"int{self.kv['bits']}" if self.kv else str(self.dtype).replace("torch.", ""),
         }
+        if self.kv:
+            self.info["kv_cache"] = {**self.kv, "layout": "KIVI: keys per channel, values per token, fp16 scales"}
 
     def _kernel_name(self) -> str:
         """The linear-layer implementation actually used (GPTQ/AWQ kernels name themselves here)."""
@@ -69,6 +78,10 @@ class HFRuntime(Runtime):
         self._cache_ids = []
 
     def _new_cache(self):
+        if self.kv:
+            from pipeline.runtimes.kv_quant import new_cache
+
+            return new_cache(self.model.config.num_hidden_layers, self.kv["bits"], self.kv["residual_length"])
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
@@ -98,15 +111,55 @@ class HFRuntime(Runtime):
 
     @torch.inference_mode()
     def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        if self.kv:
+            return self._logits_through_cache(list(ids), list(positions))
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         keep = torch.tensor(list(positions), dtype=torch.long, device=self.device)
         out = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=keep)
         return out.logits[0].float().cpu().numpy()
 
+    def _logits_through_cache(self, ids: list[int], positions: list[int]) -> np.ndarray:
+        """Teacher-forced logits as decoding with a quantized cache sees them. A single forward pass would attend
+        to fresh keys and values only and never read the cache, hiding its error. So: every stretch of
+        unscored tokens (a prompt) is one prefill chunk, like the prefill it is in free-running; scored stretches
+        (replies) are fed ``score_chunk`` tokens at a time, each chunk attending to the quantized past plus the
+        full-precision residual window and itself, as decode steps do."""
+        wanted = sorted(set(positions))
+        chunks: list[tuple[int, int]] = []
+        cursor, i = 0, 0
+        while i < len(wanted):
+            j = i
+            while j + 1 < len(wanted) and wanted[j + 1] == wanted[j] + 1:
+                j += 1
+            a, b = wanted[i], wanted[j]
+            if a + 1 > cursor:
+                chunks.append((cursor, a + 1))
+            s = max(a + 1, cursor)
+            while s <= b:
+                e = min(s + self.kv["score_chunk"], b + 1)
+                chunks.append((s, e))
+                s = e
+            cursor, i = b + 1, j + 1
+        cache = self._new_cache()
+        wanted_set = set(wanted)
+        rows: dict[int, np.ndarray] = {}
+        for s, e in chunks:
+            keep = [p - s for p in range(s, e) if p in wanted_set]
+            out = self.model(input_ids=torch.tensor([ids[s:e]], dtype=torch.long, device=self.device), cache=cache,
+                             use_cache=True, logits_to_keep=torch.tensor(keep, device=self.device))
+            logits = out.logits[0].float().cpu().numpy()
+            for k, rel in enumerate(keep):
+                rows[s + rel] = logits[k]
+        return np.stack([rows[p] for p in positions]).astype(np.float32)
+
     def kv_cache_bytes(self) -> dict | None:
         """Bytes held by the live cache's key/value tensors, measured on the tensors themselves."""
         if self._cache is None or not self._cache_ids:
             return None
+        if self.kv:
+            from pipeline.runtimes.kv_quant import cache_bytes
+
+            return cache_bytes(self._cache)
         total = 0
         for layer in getattr(self._cache, "layers", []):
             for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
@@ -114,7 +167,7 @@ class HFRuntime(Runtime):
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()
         tokens = self._cache.get_seq_length()
-        return {"bytes": int(total), "tokens": int(tokens)} if tokens else None
+        return {"bytes": int(total), "tokens": int(tokens), "source": "hf cache tensors"} if tokens else None
 
     def close(self) -> None:
         self.reset()

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.config import ConfigError, RuntimeConfig
+from pipeline.config import ConfigError, RuntimeConfig, Skip
 from pipeline.runtimes.base import Generation, Runtime, greedy_decode
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class LlamaCppRuntime(Runtime):
                               "rebuild it with CMAKE_ARGS=-DGGML_CUDA=on (make setup TORCH=cuda)")
         use_gpu = rcfg.device.startswith("cuda") or (rcfg.device == "auto" and cuda_supported())
         self.n_ctx = int(options.get("n_ctx", 2048))
-        flash = bool(options.get("flash_attn", False))
+        flash = bool(options.get("flash_attn", rcfg.flash_attn))
         kwargs = {}
         for side in ("k", "v"):
             kind = options.get(f"cache_type_{side}", "f16")
@@ -72,6 +72,11 @@ class LlamaCppRuntime(Runtime):
                 )
         except (ValueError, RuntimeError) as exc:
             tail = "\n".join(log_buffer.getvalue().strip().splitlines()[-5:])
+            quantized_cache = kwargs["type_k"] != llama_cpp.GGML_TYPE_F16 or kwargs["type_v"] != llama_cpp.GGML_TYPE_F16
+            if quantized_cache and "context" in str(exc).lower():   # the weights loaded; the cache did not
+                raise Skip(f"llama.cpp could not create a context with a {options.get('cache_type_k')}/"
+                               f"{options.get('cache_type_v')} KV cache on this build ({exc}); its log ended "
+                               f"with:\n{tail}") from None
             raise ConfigError(f"llama.cpp could not load {path} ({exc}); its log ended with:\n{tail}\n"
                               "The file may be truncated or corrupted: delete it and rerun to rebuild it") from None
         self._load_log = log_buffer.getvalue()

@@ -1,0 +1,235 @@
+"""The nightly regression gate: this run's summary.json against a baseline summary, per variant x metric.
+
+Outputs: exit code (0 no regression, 1 regression, 2 the run itself failed), a JUnit XML file (one test case per
+variant x metric), a Markdown diff table, and one appended line in results/history.jsonl.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import shutil
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from pipeline.config import Config, ConfigError, PROJECT_ROOT
+from pipeline.store import atomic_write_text, read_json, write_json
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_REGRESSION, EXIT_RUN_FAILED = 0, 1, 2
+
+# metric -> (section of the variant summary, key, interval key or None)
+METRICS = {
+    "kld_mean": ("drift", "kld_mean", "kld_mean"),
+    "kld_p99": ("drift", "kld_p99", None),
+    "top1_agreement": ("drift", "top1_agreement", "top1_agreement"),
+    "pass_rate": ("drift", "pass_rate", "pass_rate"),
+    "flip_rate": ("drift", "flip_rate", "flip_rate"),
+    "decode_tokens_per_s": ("speed", "decode_tokens_per_s", None),
+    "prefill_tokens_per_s": ("speed", "prefill_tokens_per_s", None),
+    "peak_rss_mb": ("memory", "peak_rss_mb", None),
+    "artifact_bytes": ("memory", "artifact_bytes", None),
+}
+HARDWARE_INDEPENDENT = ("kld_mean", "kld_p99", "top1_agreement", "pass_rate", "flip_rate")
+
+
+def baseline_dir(cfg: Config) -> Path:
+    return Path(cfg.paths.results) / cfg.model.name / "baseline" / cfg.run.name
+
+
+def load_summary(path: str | Path, what: str) -> dict:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "summary.json"
+    if not p.is_file():
+        raise ConfigError(f"{what}: {p} does not exist (expected a summary.json or a results folder holding one)")
+    try:
+        s = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what}: {p} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(s, dict) or "variants" not in s or s.get("schema_version") != 1:
+        raise ConfigError(f"{what}: {p} is not a quantdrift summary (expected schema_version 1 with 'variants')")
+    return s
+
+
+def _value(v: dict, metric: str):
+    section, key, _ = METRICS[metric]
+    return (v.get(section) or {}).get(key)
+
+
+def compare_metric(metric: str, new_v: dict, base_v: dict, tol: dict) -> tuple[bool, str]:
+    """(regressed, message) for one metric of one variant."""
+    new, base = _value(new_v, metric), _value(base_v, metric)
+    if base is None:
+        return False, "not in the baseline"
+    if new is None:
+        return True, f"not measured (baseline {base:.6g})"
+    better = tol.get("better", "lower")
+    worse_by = (new - base) if better == "lower" else (base - new)
+    if "ratio" in tol:
+        limit = tol["ratio"] * base
+        bad = new < limit if better == "higher" else new > base / max(tol["ratio"], 1e-12)
+        return bad, f"{new:.6g} vs baseline {base:.6g} (ratio {new / base if base else float('inf'):.2f}, limit {tol['ratio']})"
+    allowed = max(tol.get("abs", 0.0), tol.get("rel", 0.0) * abs(base))
+    bad = worse_by > allowed + 1e-12
+    note = ""
+    if bad and tol.get("interval"):
+        iv = (new_v.get("intervals") or {}).get(METRICS[metric][2] or "")
+        if iv:
+            # noise never fails a job: the new interval must exclude the baseline on the bad side
+            excludes = iv["high"] < base if better == "higher" else iv["low"] > base
+            if not excludes:
+                bad = False
+                note = f"; within the 95% interval [{iv['low']:.4g}, {iv['high']:.4g}]"
+    return bad, f"{new:.6g} vs baseline {base:.6g} (worse by {worse_by:+.4g}, allowed {allowed:.4g}){note}"
+
+
+def environment_matches(new: dict, base: dict) -> tuple[bool, str]:
+    hw_new, hw_base = new.get("hardware", {}), base.get("hardware", {})
+    if (hw_new.get("cpu"), hw_new.get("cores")) != (hw_base.get("cpu"), hw_base.get("cores")):
+        return False, f"hardware differs ({hw_base.get('cpu')} x{hw_base.get('cores')} -> {hw_new.get('cpu')} x{hw_new.get('cores')})"
+    if new.get("run", {}).get("device") != base.get("run", {}).get("device"):
+        return False, "device differs"
+    diff = sorted(k for k in set(new.get("versions", {})) | set(base.get("versions", {}))
+                  if new.get("versions", {}).get(k) != base.get("versions", {}).get(k))
+    if diff:
+        return False, "library versions differ: " + ", ".join(
+            f"{k} {base.get('versions', {}).get(k)}->{new.get('versions', {}).get(k)}" for k in diff)
+    return True, "same hardware and library versions"
+
+
+def regress(new: dict, base: dict, cfg_regress) -> dict:
+    """Every variant x metric compared; returns {"cases": [...], "regressions": n, "environment": ...}."""
+    same_env, env_note = environment_matches(new, base)
+    metrics = list(METRICS) if (same_env or cfg_regress.compare_all) else list(HARDWARE_INDEPENDENT)
+    cases = []
+    for name, base_v in base["variants"].items():
+        new_v = new["variants"].get(name)
+        if base_v.get("status") != "ok":
+            continue
+        if new_v is None or new_v.get("status") != "ok":
+            why = "missing from this run" if new_v is None else f"{new_v.get('status')}: {new_v.get('reason')}"
+            cases.append({"variant": name, "metric": "status", "regressed": True, "message": why})
+            continue
+        for metric in metrics:
+            tol = {**(cfg_regress.tolerances or {}).get(metric, {}),
+                   **((cfg_regress.per_variant or {}).get(name, {}) or {}).get(metric, {})}
+            if not tol:
+                continue
+            bad, msg = compare_metric(metric, new_v, base_v, tol)
+            cases.append({"variant": name, "metric": metric, "regressed": bad, "message": msg})
+    skipped = [m for m in METRICS if m not in metrics]
+    return {"cases": cases, "regressions": sum(c["regressed"] for c in cases), "environment": env_note,
+            "same_environment": same_env, "skipped_metrics": skipped}
+
+
+def junit_xml(result: dict, suite_name: str) -> str:
+    cases = result["cases"]
+    root = ET.Element("testsuite", name=suite_name, tests=str(len(cases)), failures=str(result["regressions"]),
+                      errors="0", skipped=str(len(result["skipped_metrics"])))
+    for c in cases:
+        tc = ET.SubElement(root, "testcase", classname=f"quantdrift.{c['variant']}", name=c["metric"])
+        if c["regressed"]:
+            ET.SubElement(tc, "failure", message=f"{c['variant']} {c['metric']} regressed: {c['message']}").text = c["message"]
+        else:
+            ET.SubElement(tc, "system-out").text = c["message"]
+    for m in result["skipped_metrics"]:
+        tc = ET.SubElement(root, "testcase", classname="quantdrift.environment", name=m)
+        ET.SubElement(tc, "skipped", message=f"not compared: {result['environment']}")
+    return ET.tostring(root, encoding="unicode", xml_declaration=True)
+
+
+def diff_markdown(result: dict, new_path: Path, base_path: Path) -> str:
+    lines = ["# quantdrift regression check", "",
+             f"Run `{new_path}` against baseline `{base_path}`: **{result['regressions']} regression(s)**.", "",
+             f"Environment: {result['environment']}."]
+    if result["skipped_metrics"]:
+        lines.append("Compared on hardware-independent metrics only (drift and checks); not compared: "
+                     + ", ".join(result["skipped_metrics"]) + " (set regress.compare_all=true to compare them).")
+    lines += ["", "| variant | metric | result | detail |", "|---|---|---|---|"]
+    for c in sorted(result["cases"], key=lambda c: (not c["regressed"], c["variant"], c["metric"])):
+        lines.append(f"| {c['variant']} | {c['metric']} | {'**REGRESSED**' if c['regressed'] else 'ok'} | "
+                     f"{c['message'].replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def history_line(summary: dict, result: dict | None) -> dict:
+    return {
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": summary["model"]["name"], "run": summary["run"]["name"], "profile": summary["run"]["profile"],
+        "commit": _git_commit(), "versions": summary.get("versions"), "hardware": summary.get("hardware"),
+        "recommendation": summary["recommendation"].get("variant"),
+        "regressions": None if result is None else result["regressions"],
+        "variants": {n: {"status": v["status"], **({"kld_mean": v["drift"]["kld_mean"], "kld_p99": v["drift"]["kld_p99"],
+                                                   "top1_agreement": v["drift"]["top1_agreement"],
+                                                   "pass_rate": v["drift"]["pass_rate"],
+                                                   "decode_tokens_per_s": v["speed"]["decode_tokens_per_s"],
+                                                   "peak_rss_mb": v["memory"]["peak_rss_mb"]} if v["status"] == "ok" else {})}
+                     for n, v in summary["variants"].items()},
+    }
+
+
+def append_history(path: Path, line: dict) -> None:
+    """One JSON line appended under a lock (concurrent nightly jobs on a shared results folder)."""
+    from pipeline.store import locked
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with locked(path):
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(line, sort_keys=True) + "\n")
+            fh.flush()
+
+
+def run_regress(cfg: Config) -> int:
+    new_path = cfg.results_dir / "summary.json"
+    if not new_path.is_file():
+        log.error("no summary for this run at %s: the comparison did not finish", new_path)
+        print(f"error: the run itself failed: {new_path} does not exist (run `make compare` first)")
+        return EXIT_RUN_FAILED
+    new = load_summary(new_path, "this run's summary")
+    failed = [n for n, v in new["variants"].items() if v["status"] == "failed"]
+    base_path = Path(cfg.regress.baseline) if cfg.regress.baseline else baseline_dir(cfg)
+    base = load_summary(base_path, "regress.baseline")
+    result = regress(new, base, cfg.regress)
+    out_dir = cfg.results_dir / "regress"
+    junit = Path(cfg.regress.junit) if cfg.regress.junit else out_dir / "junit.xml"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    junit.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(junit, junit_xml(result, f"quantdrift.{cfg.model.name}.{cfg.run.name}"))
+    md = diff_markdown(result, new_path, base_path)
+    atomic_write_text(out_dir / "regress.md", md)
+    write_json(out_dir / "regress.json", result)
+    append_history(Path(cfg.paths.results) / "history.jsonl", history_line(new, result))
+    print(md)
+    print(f"junit: {junit}")
+    if failed:
+        print(f"error: the run itself failed: variant(s) {', '.join(failed)} failed (see the report)")
+        return EXIT_RUN_FAILED
+    return EXIT_REGRESSION if result["regressions"] else EXIT_OK
+
+
+def promote(cfg: Config, run_name: str) -> int:
+    """Make results/<model>/<run_name>/summary.json the baseline of that run name; the old one is kept."""
+    src = Path(cfg.paths.results) / cfg.model.name / run_name / "summary.json"
+    load_summary(src, f"baseline promote {run_name}")
+    dest_dir = Path(cfg.paths.results) / cfg.model.name / "baseline" / run_name
+    dest = dest_dir / "summary.json"
+    if dest.is_file():
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(dest.stat().st_mtime))
+        (dest_dir / "previous").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(dest, dest_dir / "previous" / f"summary-{stamp}.json")
+    write_json(dest, read_json(src))
+    print(f"baseline for run '{run_name}': {dest}" + (" (previous kept in previous/)" if dest.is_file() else ""))
+    return EXIT_OK

@@ -1,0 +1,173 @@
+"""Bad inputs get a clear message naming the input and what was expected (exit 2) and lose nothing; faults
+(kill -9, a crashing variant, a full disk) lose nothing and explain themselves."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import EXIT_BAD_INPUT, EXIT_VARIANT_FAILED, run
+from pipeline.config import PROJECT_ROOT, ConfigError
+from tests.conftest import compose
+
+pytestmark = pytest.mark.slow
+
+
+def _copy_model(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
+
+
+def _cfg(model: Path, root: Path, *extra):
+    return compose([f"model.source={model}", "model.name=tiny", "profile=smoke", "run.suites=[smoke]",
+                    f"paths.artifacts={root / 'artifacts'}", f"paths.results={root / 'results'}",
+                    f"paths.cache={PROJECT_ROOT / '.cache'}", *extra])
+
+
+def test_truncated_safetensors_is_named(tmp_path, tiny_llama):
+    model = _copy_model(tiny_llama, tmp_path / "m")
+    weights = next(model.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ConfigError, match="is not a readable safetensors file"):
+        run(_cfg(model, tmp_path, "variant=original"))
+
+
+def test_truncated_gguf_source_is_named(tmp_path, embedded_gguf):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(embedded_gguf.read_bytes()[:4096])
+    with pytest.raises(ConfigError, match="could not load GGUF"):
+        run(compose([f"model.source={bad}", f"paths.artifacts={tmp_path / 'a'}", "variant=original"]))
+
+
+def test_corrupted_gguf_artifact_stops_with_the_file_named_and_keeps_the_rest(tmp_path, tiny_llama):
+    assert run(_cfg(tiny_llama, tmp_path, "variant=gguf_q8_0")) == 0
+    art = tmp_path / "artifacts" / "tiny" / "variants" / "gguf_q8_0"
+    gguf = next(art.glob("*.gguf"))
+    gguf.write_bytes(gguf.read_bytes()[:2048])
+    with pytest.raises(ConfigError, match="truncated or corrupted"):
+        run(_cfg(tiny_llama, tmp_path, "variant=gguf_q8_0", "force=true"))
+    assert (tmp_path / "artifacts" / "tiny" / "reference" / "smoke" / "smoke" / "manifest.json").is_file()
+
+
+def test_an_architecture_the_converter_does_not_support_skips_gguf_only(tmp_path, tiny_llama):
+    model = _copy_model(tiny_llama, tmp_path / "m")
+    cfg_json = json.loads((model / "config.json").read_text())
+    cfg_json["architectures"] = ["QuantdriftTestForCausalLM"]       # transformers loads it by model_type
+    (model / "config.json").write_text(json.dumps(cfg_json))
+    assert run(_cfg(model, tmp_path, "variant=gguf_q4_0")) == 0
+    from pipeline.run import load_result
+
+    result = load_result(_cfg(model, tmp_path, "variant=gguf_q4_0"), "gguf_q4_0")
+    assert result["status"] == "skipped" and "converter does not support" in result["reason"]
+    assert run(_cfg(model, tmp_path, "variant=original")) == 0
+
+
+def test_a_conversation_longer_than_the_context_is_named(tmp_path, tiny_llama):
+    suite = tmp_path / "long.jsonl"
+    suite.write_text(json.dumps({"id": "too-long", "turns": [{"user": "Summarise. " * 10, "max_new_tokens": 4000}]}))
+    with pytest.raises(ConfigError, match="context"):
+        run(_cfg(tiny_llama, tmp_path, "variant=original", f"suites.smoke.path={suite}"))
+
+
+def test_an_unsupported_device_is_named(tmp_path, tiny_llama):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="sees no CUDA device"):
+        run(_cfg(tiny_llama, tmp_path, "variant=original", "runtime.device=cuda"))
+
+
+def test_a_tokenizer_without_a_chat_template_needs_consent(tmp_path, tiny_llama):
+    model = _copy_model(tiny_llama, tmp_path / "m")
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    for f in model.glob("chat_template.*"):
+        f.unlink()
+    with pytest.raises(ConfigError, match="allow_plain_template=true"):
+        run(_cfg(model, tmp_path, "variant=original"))
+    assert run(_cfg(model, tmp_path, "variant=original", "model.allow_plain_template=true")) == 0
+
+
+def test_a_failing_variant_is_recorded_and_the_others_complete(tmp_path, tiny_llama, monkeypatch):
+    from pipeline.quantizers.gguf import GGUFQuantizer
+
+    def boom(self, tmp):
+        raise MemoryError("simulated out of memory while quantizing")
+
+    assert run(_cfg(tiny_llama, tmp_path, "variant=original")) == 0
+    monkeypatch.setattr(GGUFQuantizer, "build", boom)
+    assert run(_cfg(tiny_llama, tmp_path, "variant=gguf_q4_0")) == EXIT_VARIANT_FAILED
+    monkeypatch.undo()
+    report = _cfg(tiny_llama, tmp_path, "command=report", "run.variants=[original,gguf_q4_0]")
+    assert run(report) == EXIT_VARIANT_FAILED
+    summary = json.loads((report.results_dir / "summary.json").read_text())
+    assert summary["variants"]["gguf_q4_0"]["status"] == "failed"
+    assert "MemoryError: simulated out of memory" in summary["variants"]["gguf_q4_0"]["reason"]
+    assert summary["variants"]["original"]["status"] == "ok"
+    assert "simulated out of memory" in (report.results_dir / "report.md").read_text()
+
+
+def test_a_full_disk_stops_before_quantizing(tmp_path, tiny_llama, monkeypatch):
+    assert run(_cfg(tiny_llama, tmp_path, "variant=original")) == 0
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**12, 10**12 - 1000, 1000))
+    with pytest.raises(ConfigError, match="not enough free disk space for quantizing gguf_q8_0"):
+        run(_cfg(tiny_llama, tmp_path, "variant=gguf_q8_0"))
+    monkeypatch.undo()
+    assert (tmp_path / "artifacts" / "tiny" / "runs" / "smoke" / "original" / "manifest.json").is_file()
+
+
+def _drift(summary: dict) -> dict:
+    return {n: (v["status"], v.get("drift"), v.get("free_running", {}).get("pass_rate"))
+            for n, v in summary["variants"].items()}
+
+
+def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, tiny_llama):
+    """kill -9 at the F16 conversion, the reference, the evaluation and the report; each rerun resumes, and the
+    final summary's drift equals an uninterrupted run's."""
+    common = [f"model.source={tiny_llama}", "model.name=tiny", "profile=smoke", "run.suites=[smoke]",
+              f"paths.cache={PROJECT_ROOT / '.cache'}"]
+    exe = [sys.executable, "-m", "pipeline.cli"]
+    sweep = ["-m", "variant=original,gguf_q8_0"]
+    report = ["report", "run.variants=[original,gguf_q8_0]"]
+
+    def paths(root):
+        return [f"paths.artifacts={root / 'a'}", f"paths.results={root / 'r'}"]
+
+    clean = tmp_path / "clean"
+    for args in (sweep, report):
+        assert subprocess.run(exe + args + common + paths(clean), capture_output=True, timeout=900).returncode == 0
+    killed = tmp_path / "killed"
+    for args, marker in ((sweep, "convert:f16-gguf: building"), (sweep, "reference:smoke: building"),
+                         (sweep, "evaluate:gguf_q8_0: building"), (report, "bandwidth")):
+        proc = subprocess.Popen(exe + args + common + paths(killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        seen = False
+        for line in proc.stdout:
+            if marker in line:
+                seen = True
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+        proc.wait(timeout=900)
+        assert seen or proc.returncode == 0, marker
+    for args in (sweep, report):
+        r = subprocess.run(exe + args + common + paths(killed), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    a = json.loads((clean / "r" / "tiny" / "smoke" / "summary.json").read_text())
+    b = json.loads((killed / "r" / "tiny" / "smoke" / "summary.json").read_text())
+    assert _drift(a) == _drift(b)
+    assert not list((killed / "a").rglob("*.tmp-*")), "a killed attempt's temporary folder was left behind"
+
+
+def test_unknown_config_values_and_cli_input_exit_2():
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "kv_cache=int9"], capture_output=True, text=True,
+                         timeout=60, cwd=PROJECT_ROOT)
+    assert out.returncode == EXIT_BAD_INPUT and "int8" in out.stdout + out.stderr

@@ -1,0 +1,178 @@
+"""The nightly gate: same summary passes, a degraded variant fails with JUnit and diff naming it, noise within
+the interval passes, other hardware compares drift only, promotion keeps the old baseline, history grows; the
+drift metrics of a tiny model are deterministic; a two-variant multirun with the joblib launcher works."""
+
+import copy
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from pipeline.cli import EXIT_BAD_INPUT, run
+from pipeline.config import PROJECT_ROOT
+from pipeline.store import write_json
+from tests.conftest import compose
+
+MODEL = "smollm2-135m-instruct"
+
+
+def _variant(kld, pass_rate, decode, lo=None, hi=None):
+    return {"status": "ok", "reason": None,
+            "drift": {"kld_mean": kld, "kld_p99": kld * 10, "top1_agreement": 1 - kld, "pass_rate": pass_rate,
+                      "flip_rate": 0.1},
+            "intervals": {"kld_mean": {"estimate": kld, "low": kld * 0.8, "high": kld * 1.2},
+                          "pass_rate": {"estimate": pass_rate, "low": lo if lo is not None else pass_rate - 0.2,
+                                        "high": hi if hi is not None else pass_rate + 0.2},
+                          "flip_rate": {"estimate": 0.1, "low": 0.0, "high": 0.3}},
+            "speed": {"decode_tokens_per_s": decode, "prefill_tokens_per_s": 300.0},
+            "memory": {"peak_rss_mb": 300.0, "artifact_bytes": 100_000_000}}
+
+
+def _summary():
+    return {"schema_version": 1, "run": {"name": "nightly", "profile": "quick", "device": "auto"},
+            "model": {"name": MODEL}, "recommendation": {"variant": "gguf_q8_0"},
+            "hardware": {"cpu": "cpu-x", "cores": 2}, "versions": {"torch": "2.13.0"},
+            "variants": {"original": _variant(0.0, 0.5, 30.0), "gguf_q8_0": _variant(0.002, 0.5, 60.0),
+                         "gguf_q4_0": _variant(0.14, 0.4, 90.0)}}
+
+
+@pytest.fixture
+def gate(tmp_path):
+    def make(new: dict, base: dict, *extra):
+        write_json(tmp_path / "results" / MODEL / "nightly" / "summary.json", new)
+        write_json(tmp_path / "base.json", base)
+        cfg = compose(["command=regress", "run.name=nightly", f"paths.results={tmp_path / 'results'}",
+                       f"paths.artifacts={tmp_path / 'artifacts'}", f"regress.baseline={tmp_path / 'base.json'}",
+                       *extra])
+        code = run(cfg)
+        out = cfg.results_dir / "regress"
+        return code, ET.parse(out / "junit.xml").getroot(), (out / "regress.md").read_text()
+    return make
+
+
+def test_same_summary_passes_and_history_grows(gate, tmp_path):
+    code, junit, md = gate(_summary(), _summary())
+    assert code == 0 and junit.get("failures") == "0" and int(junit.get("tests")) == 27   # 3 variants x 9 metrics
+    assert "0 regression(s)" in md
+    gate(_summary(), _summary())
+    lines = (tmp_path / "results" / "history.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["variants"]["gguf_q8_0"]["kld_mean"] == 0.002
+
+
+def test_degraded_variant_fails_naming_variant_and_metric(gate):
+    new = _summary()
+    new["variants"]["gguf_q8_0"]["drift"]["kld_mean"] = 0.02          # ten times the baseline drift
+    code, junit, md = gate(new, _summary())
+    assert code == 1
+    failed = [(tc.get("classname"), tc.get("name")) for tc in junit.iter("testcase") if tc.find("failure") is not None]
+    assert failed == [("quantdrift.gguf_q8_0", "kld_mean")]
+    assert "| gguf_q8_0 | kld_mean | **REGRESSED**" in md
+
+
+def test_zero_tolerance_and_a_missing_variant_fail(gate):
+    new = _summary()
+    new["variants"]["gguf_q4_0"]["speed"]["decode_tokens_per_s"] = 89.0
+    del new["variants"]["original"]
+    code, junit, md = gate(new, _summary(), "regress.tolerances.decode_tokens_per_s.ratio=1.0")
+    assert code == 1
+    assert "| gguf_q4_0 | decode_tokens_per_s | **REGRESSED**" in md and "| original | status | **REGRESSED**" in md
+
+
+def test_noise_within_the_interval_does_not_fail(gate):
+    new = _summary()
+    new["variants"]["gguf_q4_0"]["drift"]["pass_rate"] = 0.3          # lower, but the baseline 0.4 is inside [0.1, 0.5]
+    new["variants"]["gguf_q4_0"]["intervals"]["pass_rate"] = {"estimate": 0.3, "low": 0.1, "high": 0.5}
+    assert gate(new, _summary())[0] == 0
+    new["variants"]["gguf_q4_0"]["intervals"]["pass_rate"] = {"estimate": 0.3, "low": 0.25, "high": 0.35}
+    code, _, md = gate(new, _summary())
+    assert code == 1 and "| gguf_q4_0 | pass_rate | **REGRESSED**" in md
+
+
+def test_other_hardware_compares_only_hardware_independent_metrics(gate):
+    base, new = _summary(), _summary()
+    base["hardware"]["cpu"] = "another-cpu"
+    new["variants"]["gguf_q8_0"]["speed"]["decode_tokens_per_s"] = 1.0   # would fail on the same hardware
+    code, junit, md = gate(new, base)
+    assert code == 0 and "hardware differs" in md and "not compared: decode_tokens_per_s" in md
+    assert int(junit.get("skipped")) == 4
+    assert gate(new, base, "regress.compare_all=true")[0] == 1
+
+
+def test_bad_baseline_and_failed_run(gate, tmp_path):
+    write_json(tmp_path / "results" / MODEL / "nightly" / "summary.json", _summary())
+    cfg = compose(["command=regress", "run.name=nightly", f"paths.results={tmp_path / 'results'}",
+                   f"regress.baseline={tmp_path / 'nope.json'}"])
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="nope.json does not exist"):
+        run(cfg)
+    new = _summary()
+    new["variants"]["gguf_q4_0"] = {"status": "failed", "reason": "RuntimeError: out of memory"}
+    assert gate(new, _summary())[0] == 2
+
+
+def test_promote_keeps_the_previous_baseline(tmp_path):
+    results = tmp_path / "results"
+    for k in (0.001, 0.002):
+        s = _summary()
+        s["variants"]["gguf_q8_0"]["drift"]["kld_mean"] = k
+        write_json(results / MODEL / "nightly" / "summary.json", s)
+        assert run(compose(["command=baseline", "regress.promote=nightly", f"paths.results={results}"])) == 0
+    base_dir = results / MODEL / "baseline" / "nightly"
+    assert json.loads((base_dir / "summary.json").read_text())["variants"]["gguf_q8_0"]["drift"]["kld_mean"] == 0.002
+    assert len(list((base_dir / "previous").glob("summary-*.json"))) == 1
+
+
+def test_cli_regress_exit_codes(tmp_path):
+    exe = [sys.executable, "-m", "pipeline.cli"]
+    r = subprocess.run(exe + ["baseline", "--oops"], capture_output=True, text=True, cwd=PROJECT_ROOT)
+    assert r.returncode == EXIT_BAD_INPUT
+
+
+@pytest.mark.slow
+def test_drift_metrics_are_deterministic(tiny_cfg):
+    from pipeline.aggregate import variant_summary
+    from pipeline.run import load_result
+
+    runs = []
+    for _ in range(2):
+        cfg = tiny_cfg("variant=gguf_q8_0", "force=true")
+        assert run(cfg) == 0
+        v = variant_summary(load_result(cfg, "gguf_q8_0"))
+        runs.append((copy.deepcopy(v["drift"]), v["drift_detail"], v["free_running"]["pass_rate"]))
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.slow
+def test_two_variant_multirun_with_the_joblib_launcher(tmp_path, tiny_llama):
+    common = [f"model.source={tiny_llama}", "model.name=tiny", "profile=smoke", "run.suites=[smoke]",
+              f"paths.artifacts={tmp_path / 'a'}", f"paths.results={tmp_path / 'r'}",
+              f"paths.cache={PROJECT_ROOT / '.cache'}"]
+    exe = [sys.executable, "-m", "pipeline.cli"]
+    r = subprocess.run(exe + ["-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2",
+                              "variant=original,gguf_q8_0"] + common, capture_output=True, text=True, cwd=PROJECT_ROOT,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "JoblibLauncher" in r.stderr or "Joblib" in r.stderr + r.stdout
+    r = subprocess.run(exe + ["report", "run.variants=[original,gguf_q8_0]"] + common, capture_output=True, text=True,
+                       cwd=PROJECT_ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "r" / "tiny" / "smoke" / "summary.json").read_text())
+    assert {n: v["status"] for n, v in summary["variants"].items()} == {"original": "ok", "gguf_q8_0": "ok"}
+    # the shared stages were built once, under their locks
+    assert len(list((tmp_path / "a" / "tiny").glob("gguf-f16/manifest.json"))) == 1
+
+
+def test_slurm_launcher_config_composes():
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        c = hcompose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+                     return_hydra_config=True)
+    assert c.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert c.hydra.launcher.gpus_per_node == 1 and c.hydra.launcher.partition == "gpu"
