@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 # Used only when the user allows it for a tokenizer without a chat template (model.allow_plain_template).
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
 )
 
 

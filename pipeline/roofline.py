@@ -43,11 +43,12 @@ def measure_bandwidth(device: str = "cpu", mib: int = 512, repeats: int = 7) -> 
 
 
 def resolve_device(requested: str) -> str:
-    if requested != "auto":
+    """auto -> cuda when torch sees a GPU, else cpu; a cuda request without one is a clear error (exit 2)."""
+    if requested == "cpu":
         return requested
-    import torch
+    from pipeline.runtimes.hf import resolve_device as hf_resolve
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return hf_resolve(requested)
 
 
 def run_bandwidth(cfg, device: str) -> dict:

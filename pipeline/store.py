@@ -137,8 +137,12 @@ def run_stage(stage: str, out_dir: Path, key: dict, build: Callable[[Path], dict
     with locked(out_dir):
         existing = load_manifest(out_dir)
         if existing and existing.get("key_hash") == key_hash and not force:
-            log.info("%s: up to date (%s), skipped", stage, out_dir)
-            return existing
+            damaged = _damaged_files(out_dir, existing.get("files"))
+            if not damaged:
+                log.info("%s: up to date (%s), skipped", stage, out_dir)
+                return existing
+            log.warning("%s: %s changed on disk since it was built (truncated or deleted?): rebuilding %s",
+                        stage, ", ".join(damaged[:3]), out_dir)
         # Leftovers of a killed attempt (we hold the stage's lock, so nobody else is writing them).
         for stale in list(out_dir.parent.glob(f"{out_dir.name}.tmp-*")) + list(out_dir.parent.glob(f"{out_dir.name}.old-*")):
             shutil.rmtree(stale, ignore_errors=True)
@@ -160,6 +164,7 @@ def run_stage(stage: str, out_dir: Path, key: dict, build: Callable[[Path], dict
             "hardware": hardware(),
             **extra,
         }
+        manifest["files"] = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         write_json(tmp / MANIFEST, manifest)
         old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
         if out_dir.exists():
@@ -168,6 +173,17 @@ def run_stage(stage: str, out_dir: Path, key: dict, build: Callable[[Path], dict
         shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(journal_dir, ignore_errors=True)
         return manifest
+
+
+def _damaged_files(out_dir: Path, files: dict | None) -> list[str]:
+    """Files the manifest recorded that are now missing or of another size (a manifest written before sizes
+    were recorded is trusted)."""
+    bad = []
+    for rel, size in (files or {}).items():
+        p = out_dir / rel
+        if not p.is_file() or p.stat().st_size != size:
+            bad.append(rel)
+    return bad
 
 
 def check_free_space(path: Path, need_bytes: float, what: str) -> None:
