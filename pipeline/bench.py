@@ -27,7 +27,7 @@ def _stage_walls(cfg: Config, name: str) -> dict:
     dirs = {
         "prepare": md / "original",
         "convert_f16": md / "gguf-f16",
-        "quantize": md / "variants" / name,
+        "quantize": md / "variants" / name.split("+", 1)[0],
         "parity": md / "parity",
         "evaluate": md / "runs" / cfg.run.name / name,
     }
@@ -94,18 +94,18 @@ def run_bench(cfg: Config) -> int:
 
 
 def format_bench(out: dict) -> str:
-    head = (f"{'variant':<14}{'decode tok/s':>13}{'prefill tok/s':>14}{'score tok/s':>12}{'noise':>7}  "
+    head = (f"{'variant':<22}{'decode tok/s':>13}{'prefill tok/s':>14}{'score tok/s':>12}{'noise':>7}  "
             "stage wall s (prepare/convert/quantize/parity/reference/evaluate)")
     lines = [f"quantdrift bench: {out['model']} ({out['run']}), {out['threads']} threads", head]
     for name, r in out["variants"].items():
         if r["status"] != "ok":
-            lines.append(f"{name:<14}{r['status']}: {r.get('reason')}")
+            lines.append(f"{name:<22}{r['status']}: {r.get('reason')}")
             continue
         w = r["stage_wall_s"]
         ref = sum(v for k, v in w.items() if k.startswith("reference_") and v)
         fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
         stages = "/".join(fmt(x) for x in (w["prepare"], w["convert_f16"], w["quantize"], w["parity"], ref, w["evaluate"]))
         noise = "-" if r["cpu_noise"] is None else f"{r['cpu_noise']:.0%}"
-        lines.append(f"{name:<14}{r['decode_tokens_per_s']:>13.1f}{r['prefill_tokens_per_s']:>14.0f}"
+        lines.append(f"{name:<22}{r['decode_tokens_per_s']:>13.1f}{r['prefill_tokens_per_s']:>14.0f}"
                      f"{r['scoring_tokens_per_s']:>12.0f}{noise:>7}  {stages}")
     return "\n".join(lines)

@@ -118,8 +118,10 @@ class KVCacheConfig:
 
 def apply_kv_cache(variant: VariantConfig, kv: KVCacheConfig) -> VariantConfig:
     """The variant with the KV-cache setting folded into its runtime options and its name (BASE+kv_TYPE)."""
+    opts = variant.runtime_options
+    applied = "kv_cache" in opts or opts.get("cache_type_k", "f16") != "f16" or opts.get("cache_type_v", "f16") != "f16"
     if not kv.quantized:
-        if "+kv_" in variant.name:
+        if "+kv_" in variant.name and not applied:
             raise ConfigError(f"variant {variant.name!r} is a KV-cache variant but kv_cache={kv.name} is full "
                               f"precision: drop the kv_cache override, or use variant={variant.base}")
         return variant

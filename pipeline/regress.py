@@ -226,10 +226,11 @@ def promote(cfg: Config, run_name: str) -> int:
     load_summary(src, f"baseline promote {run_name}")
     dest_dir = Path(cfg.paths.results) / cfg.model.name / "baseline" / run_name
     dest = dest_dir / "summary.json"
-    if dest.is_file():
+    had_previous = dest.is_file()
+    if had_previous:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(dest.stat().st_mtime))
         (dest_dir / "previous").mkdir(parents=True, exist_ok=True)
         shutil.copy2(dest, dest_dir / "previous" / f"summary-{stamp}.json")
     write_json(dest, read_json(src))
-    print(f"baseline for run '{run_name}': {dest}" + (" (previous kept in previous/)" if dest.is_file() else ""))
+    print(f"baseline for run '{run_name}': {dest}" + (" (previous kept in previous/)" if had_previous else ""))
     return EXIT_OK
