@@ -313,7 +313,10 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
          "per decoded token = all weights + the KV cache at the probe's mean context; BW share = decode tok/s × "
          "bytes/token ÷ measured bandwidth"
          + (f" ({bw['bytes_per_s'] / 1e9:.1f} GB/s: {bw['method']})" if bw else "")
-         + "; the ceiling is the decode rate at 100 % of that bandwidth.")]
+         + "; the ceiling is the decode rate at 100 % of that bandwidth. Speed figures carry no interval: they "
+         f"are medians of {next(iter(ok.values()), {}).get('speed', {}).get('repeats') or 'a few'} repeats and move "
+         "by 10–30 % between runs on a shared CPU, so the decision treats objective values within "
+         "`decision.tie_tolerance` of the best as a tie (the lower drift wins).")]
     flips = suite_flip_table(summary)
     if flips:
         variants_blocks += ["Flips by suite against the original:", flips]
