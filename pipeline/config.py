@@ -298,7 +298,6 @@ class RegressConfig:
     promote: str = ""            # `quantdrift baseline promote RUN`: the run to make the new baseline
 
     KEYS = ("rel", "abs", "ratio", "interval", "better")
-    HARDWARE_INDEPENDENT = ("kld_mean", "kld_p99", "top1_agreement", "pass_rate", "flip_rate")
 
     def __post_init__(self) -> None:
         from pipeline.regress import METRICS
@@ -434,9 +433,12 @@ def load_variant(name: str, kv_cache: str | None = None) -> VariantConfig:
     """conf/variant/NAME.yaml (composed by Hydra, so a KV variant's defaults apply) as a typed VariantConfig with
     its KV-cache setting folded in; an unknown name lists the known ones."""
     if name not in known_variants():
-        base, _, kv = name.partition("+")
-        if kv and base in known_variants():   # BASE+kv_q8_0 / BASE+kv_int8 composed from the command line
-            return load_variant(base, kv_cache="int8" if kv in ("kv_q8_0", "kv_int8") else "int4")
+        base, _, suffix = name.partition("+")
+        if suffix and base in known_variants():   # BASE+kv_q8_0 / BASE+kv_int8 composed from the command line
+            for option in ("int8", "int4"):
+                variant = load_variant(base, kv_cache=option)
+                if variant.name == name:
+                    return variant
         raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join(known_variants())}")
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

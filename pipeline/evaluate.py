@@ -108,7 +108,7 @@ def dequantized_proxy(cfg: Config, artifact: Artifact) -> Path:
 
 def _choose_generator(cfg: Config, kernel_rt, artifact: Artifact, refs: dict, original: Original, need: int):
     """The dequantized stand-in for free-running when it reproduces the kernel on a sample, else the kernel."""
-    from pipeline.quantizers.base import Skip
+    from pipeline.config import Skip
     from pipeline.reference import F16_VARIANT
 
     try:

@@ -221,6 +221,12 @@ def _capacity_section(summary: dict, ok: dict) -> tuple | None:
     return ("capacity", "KV cache and capacity", blocks)
 
 
+def _multi_turn_keys(ok: dict) -> list[str]:
+    """'multi_turn:N' turn keys present in any variant, in turn order."""
+    return sorted({t for v in ok.values() for t in v["drift_detail"]["kld_by_turn"] if t.startswith("multi_turn:")},
+                  key=lambda t: int(t.split(":")[1]))
+
+
 def _drift_sections(ok: dict) -> list[tuple]:
     out = []
     buckets = sorted({b for v in ok.values() for b in v["drift_detail"]["kld_by_position"]},
@@ -229,8 +235,7 @@ def _drift_sections(ok: dict) -> list[tuple]:
         rows = [[n] + [_fmt(v["drift_detail"]["kld_by_position"].get(b, {}).get("mean"), ".4f") for b in buckets]
                 for n, v in ok.items()]
         out.append(("by-position", "Drift by output position (mean KLD)", [(["variant"] + buckets, rows)]))
-    turns = sorted({t for v in ok.values() for t in v["drift_detail"]["kld_by_turn"] if t.startswith("multi_turn:")},
-                   key=lambda t: int(t.split(":")[1]))
+    turns = _multi_turn_keys(ok)
     if turns:
         rows = [[n] + [_fmt(v["drift_detail"]["kld_by_turn"].get(t, {}).get("mean"), ".4f") for t in turns]
                 for n, v in ok.items()]
@@ -388,6 +393,23 @@ def _trend_plot(plt, history: list[dict], summary: dict, out_dir: Path) -> str |
     return "trend.png"
 
 
+def _kld_lines(plt, series: dict[str, list[tuple[int, float]]], xlabel: str, ylabel: str, title: str,
+               legend_size: int, path: Path) -> None:
+    """One log-scale KLD line per variant (points (x, mean KLD); empty series are left out)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for n, pts in series.items():
+        if pts:
+            ax.plot([x for x, _ in pts], [max(y, 1e-7) for _, y in pts], marker="o", label=n)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=legend_size)
+    _save(fig, path)
+
+
 def make_plots(summary: dict, out_dir: Path, history: list[dict] | None = None) -> dict[str, str]:
     import matplotlib
 
@@ -422,40 +444,18 @@ def make_plots(summary: dict, out_dir: Path, history: list[dict] | None = None) 
     ax.grid(alpha=0.3)
     _save(fig, out_dir / "pareto.png")
     plots["pareto"] = "pareto.png"
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for n, v in ok.items():
-        b = v["drift_detail"]["kld_by_position"]
-        if not b or n == "original":
-            continue
-        xs = [int(k.split("-")[0]) for k in b]
-        ax.plot(xs, [max(b[k]["mean"], 1e-7) for k in b], marker="o", label=n)
-    ax.set_yscale("log")
-    ax.set_xlabel("output position (token index within the reply, bucket start)")
-    ax.set_ylabel("mean KLD, nats")
-    ax.set_title("KLD by output position")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    _save(fig, out_dir / "kld_by_position.png")
+    drifting = {n: v["drift_detail"] for n, v in ok.items() if n != "original"}
+    _kld_lines(plt, {n: [(int(k.split("-")[0]), b["mean"]) for k, b in d["kld_by_position"].items()]
+                     for n, d in drifting.items()},
+               "output position (token index within the reply, bucket start)", "mean KLD, nats",
+               "KLD by output position", 8, out_dir / "kld_by_position.png")
     plots["kld_by_position"] = "kld_by_position.png"
-    turns = sorted({t for v in ok.values() for t in v["drift_detail"]["kld_by_turn"] if t.startswith("multi_turn:")},
-                   key=lambda t: int(t.split(":")[1]))
+    turns = _multi_turn_keys(ok)
     if turns:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for n, v in ok.items():
-            if n == "original":
-                continue
-            by = v["drift_detail"]["kld_by_turn"]
-            xs = [int(t.split(":")[1]) for t in turns if t in by]
-            ax.plot(xs, [max(by[t]["mean"], 1e-7) for t in turns if t in by], marker="o", label=n)
-        ax.set_yscale("log")
-        ax.set_xlabel("turn of the multi-turn conversation")
-        ax.set_ylabel("mean KLD of the reply, nats")
-        ax.set_title("Multi-turn drift by turn")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        _save(fig, out_dir / "kld_by_turn.png")
+        _kld_lines(plt, {n: [(int(t.split(":")[1]), d["kld_by_turn"][t]["mean"]) for t in turns if t in d["kld_by_turn"]]
+                         for n, d in drifting.items()},
+                   "turn of the multi-turn conversation", "mean KLD of the reply, nats", "Multi-turn drift by turn", 7,
+                   out_dir / "kld_by_turn.png")
         plots["kld_by_turn"] = "kld_by_turn.png"
     trend = _trend_plot(plt, history or [], summary, out_dir)
     if trend:

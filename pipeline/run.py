@@ -74,7 +74,8 @@ def probe_prompt(renderer, suites: dict, n_tokens: int) -> list[int]:
 
 def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict, dict, dict | None]:
     """Parity checks, then the reference transcripts. Returns (references, producer, parity)."""
-    from pipeline.quantizers.base import Skip, build_artifact
+    from pipeline.config import Skip
+    from pipeline.quantizers.base import build_artifact
     from pipeline.reference import F16_VARIANT, build_reference, check_parity, parity_error
 
     parity = None
