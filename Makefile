@@ -39,15 +39,16 @@ endif
 WHEEL_CACHE ?= $(HOME)/.cache/quantdrift/wheels
 LLAMA_WHEELS := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(TORCH)
 
-# A bare name selects conf/model/NAME.yaml; anything else (a folder, a .gguf file, a hub id) is a source.
+# A bare name selects conf/model/NAME.yaml; anything else (a folder, a .gguf file, a hub id) is a source of the
+# `local` model group, whose name follows the source (the folder or file name names artifacts/ and results/).
 ifeq ($(wildcard conf/model/$(MODEL).yaml),)
-  MODEL_ARG := model.source=$(MODEL)
+  MODEL_ARG := model=local model.source=$(MODEL)
 else
   MODEL_ARG := model=$(MODEL)
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare report test bench clean-venv converter llama-wheel browser nightly promote print-variants print-suites
+.PHONY: setup compare report test bench clean-venv converter llama-wheel browser nightly promote print-variants print-suites print-model-args
 
 setup: $(VENV)/.installed
 
@@ -112,6 +113,9 @@ print-variants:
 	@echo $(VARIANTS)
 print-suites:
 	@echo $(SUITES)
+# The Hydra overrides MODEL turns into (scripts/nightly and the tests use this, so the rule lives in one place).
+print-model-args:
+	@echo $(MODEL_ARG)
 
 bench: setup
 	$(VENV)/bin/quantdrift command=bench run.variants=[$(VARIANTS)] $(COMMON)

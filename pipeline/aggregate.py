@@ -168,6 +168,34 @@ def recall_figures(tf: dict, samples: list[dict]) -> dict | None:
             "documents": len(rows), "by_depth": group("depth"), "by_length": group("length_tokens")}
 
 
+def deployment_figures(deployment: dict | None, samples: list[dict]) -> dict | None:
+    """The deployment path (the runtime tokenizing rendered chat text, as a server does) against the same variant's
+    measurement path (HF ids): check pass rates of both, flips between them with an exact McNemar p-value, and
+    chrF of the served reply to the HF-id reply, turn by turn."""
+    if not deployment:
+        return None
+    by_turn = {(s["suite"], s["conversation"], s["turn"]): s for s in samples}
+    ids_checks, served_checks, chrf, identical, replies = [], [], [], 0, 0
+    for tr in read_jsonl(Path(deployment["dir"]) / "transcripts.jsonl"):
+        for i, turn in enumerate(tr["turns"]):
+            s = by_turn.get((tr["suite"], tr["id"], i))
+            if s is None:
+                continue
+            replies += 1
+            ids_checks += s["checks_variant"]
+            served_checks += turn["checks"]
+            identical += turn["text"] == s["variant_text"]
+            chrf.append(metrics.chrf(turn["text"], s["variant_text"]) if turn["text"] or s["variant_text"] else 100.0)
+    f = metrics.flips(ids_checks, served_checks)
+    n = len(served_checks)
+    return {"suites": deployment["suites"], "replies": replies, "identical_replies": identical, "checks": n,
+            "pass_rate_ids": sum(ids_checks) / n if n else None, "pass_rate_served": sum(served_checks) / n if n else None,
+            "pass_to_fail": f["pass_to_fail"], "fail_to_pass": f["fail_to_pass"],
+            "flip_rate": (f["pass_to_fail"] + f["fail_to_pass"]) / n if n else None,
+            "mcnemar_p": metrics.mcnemar_exact_p(f["pass_to_fail"], f["fail_to_pass"]),
+            "chrf_mean": float(np.mean(chrf)) if chrf else None, "wall_s": deployment.get("wall_s")}
+
+
 def capacity_plan(v: dict, facts: dict, cap) -> dict:
     """Concurrent sequences of cap.context_tokens that fit each budget, for this model and (with params_b) for
     a published model of that size: floor((budget x (1 - headroom) - weights - overhead) / (KV/token x context)).
@@ -252,6 +280,7 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         "drift_detail": {k: drift[k] for k in ("kld_by_position", "kld_by_turn", "kld_by_suite")},
         "free_running": {**free, "source": result["evaluation"].get("free_running_source")},
         "recall": recall,
+        "deployment": deployment_figures(result.get("deployment"), samples),
         "speed": {k: speed.get(k) for k in ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s",
                                             "itl_p99_s", "prompt_tokens", "decode_tokens", "repeats", "cpu_noise",
                                             "noisy", "load_s")},

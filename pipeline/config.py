@@ -209,8 +209,17 @@ class ProfileConfig:
     # Per-suite overrides of the two keys above, e.g. {long_output: {max_new_tokens_cap: 256}}.
     per_suite: dict = field(default_factory=dict)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
+    # The deployment path: a second free-running pass of the runtimes with a tokenizer of their own (llama.cpp),
+    # fed rendered chat text instead of the HF ids, as a server is. diverging: the suites with a text that the GGUF
+    # tokenizer splits differently from the HF tokenizer; auto: those and the multi-turn suites (a server
+    # re-tokenizes the model's own earlier replies; a single-turn suite without divergence feeds both paths the
+    # same ids, so it would measure nothing); always: every suite; never: off.
+    deployment_path: str = "auto"
+
+    DEPLOYMENT_PATHS = ("diverging", "auto", "always", "never")
 
     def __post_init__(self) -> None:
+        _one_of("profile.deployment_path", self.deployment_path, self.DEPLOYMENT_PATHS)
         _positive_int("profile.max_conversations", self.max_conversations, allow_none=True)
         _positive_int("profile.max_new_tokens_cap", self.max_new_tokens_cap, allow_none=True)
         for suite, over in (self.per_suite or {}).items():

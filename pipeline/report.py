@@ -260,11 +260,55 @@ def _model_section(summary: dict) -> tuple:
     if parity.get("skipped"):
         items.append(f"Parity: GGUF skipped ({parity['skipped']}).")
     elif parity:
-        items.append(f"Parity: tokenizer identical on {parity['tokenizer_texts'] - len(parity['tokenizer_mismatches'])}"
-                     f"/{parity['tokenizer_texts']} suite texts; F16 GGUF mean KLD vs original "
-                     f"{parity['f16_kld_mean']:.2e} (limit {parity['max_kld']:.0e}), top-1 agreement "
-                     f"{parity['f16_top1_agreement']:.1%} → {'PASS' if parity['ok'] else 'FAIL'}.")
+        items.append(f"Parity of the conversion: F16 GGUF mean KLD vs original {parity['f16_kld_mean']:.2e} (limit "
+                     f"{parity['max_kld']:.0e}), top-1 agreement {parity['f16_top1_agreement']:.1%} → "
+                     f"{'PASS' if parity['ok'] else 'FAIL: GGUF variants are not measured'}.")
+        if parity.get("tokenizer"):
+            items.append(_tokenizer_line(parity["tokenizer"]))
     return ("model", "Model and reference", [items])
+
+
+def _tokenizer_line(tok: dict) -> str:
+    """The GGUF tokenizer's divergence from the HF tokenizer, with its cause: a reported property of every GGUF
+    file of this model, not a gate (the measurement feeds every runtime the HF ids)."""
+    pre = (f"llama.cpp applies the pre-tokenizer named in the GGUF (`tokenizer.ggml.pre` = "
+           f"`{_md_escape(tok.get('gguf_pre_tokenizer'))}`, a regex of llama.cpp's own), the HF tokenizer applies "
+           f"`{_md_escape(tok.get('hf_pre_tokenizer'))}`")
+    if not tok["diverging_texts"]:
+        return (f"Tokenizer parity: the GGUF tokenizer splits all {tok['texts']} suite texts ({tok['hf_tokens']} "
+                f"tokens) exactly as the HF tokenizer does ({pre}).")
+    ex = tok["examples"][0]
+    return (f"Tokenizer divergence: the GGUF tokenizer splits {tok['diverging_texts']} of {tok['texts']} suite texts "
+            f"differently from the HF tokenizer, {tok['diverging_tokens']} of {tok['hf_tokens']} prompt tokens "
+            f"({tok['diverging_tokens'] / max(tok['hf_tokens'], 1):.2%}); first in suite `{ex['suite']}` at token "
+            f"{ex['first_diff_token']}, around `{_md_escape(repr(ex['context']))}`: hf {ex['hf']} vs gguf "
+            f"{ex['gguf']}. Cause: {pre}. Every drift figure feeds all runtimes the HF ids, so it is measured on one "
+            "token stream; what the divergence costs a user whose server tokenizes text is the deployment path "
+            "below.")
+
+
+def _deployment_section(ok: dict) -> tuple | None:
+    rows = []
+    for n, v in ok.items():
+        d = v.get("deployment")
+        if not d:
+            continue
+        rows.append([n, ", ".join(d["suites"]), f"{d['identical_replies']}/{d['replies']}",
+                     _fmt(d["pass_rate_ids"], ".0%"), _fmt(d["pass_rate_served"], ".0%"),
+                     f"{d['pass_to_fail']} / {d['fail_to_pass']} of {d['checks']}", _fmt(d["mcnemar_p"], ".2f"),
+                     _fmt(d["chrf_mean"], ".1f")])
+    if not rows:
+        return None
+    return ("deployment", "Deployment path: the server's own tokenizer", [
+        (["variant", "suites", "identical replies", "pass (HF ids)", "pass (served)", "flips p→f / f→p",
+          "McNemar p", "chrF served vs HF ids"], rows),
+        "Each GGUF variant answers the same conversations twice: on the measurement path (the HF token ids, as "
+        "every other figure here) and as a server runs it (each turn's chat rendered to text, tokenized and "
+        "detokenized by llama.cpp's own tokenizer, as llama-server, Ollama or LM Studio do). Flips count checks "
+        "whose outcome differs between the two paths; chrF compares the two replies (100 = identical). "
+        "`profile.deployment_path` says where it runs: `diverging` (the suites with a text the two tokenizers "
+        "split differently), `auto` (those and the multi-turn suites, where a server re-tokenizes the model's own "
+        "earlier replies), `always`, `never`."])
 
 
 def _artifact_section(ok: dict) -> tuple:
@@ -336,7 +380,7 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
             target = (f"plot-{name}", name.replace("_", " "), [])
             sections.append(target)
         target[2].append({"plot": name, "file": plots[name]})
-    sections += [_model_section(summary), _artifact_section(ok)]
+    sections += [s for s in (_model_section(summary), _deployment_section(ok), _artifact_section(ok)) if s]
     skipped = {n: v for n, v in summary["variants"].items() if v["status"] != "ok"}
     if skipped:
         sections.append(("skipped", "Skipped or failed",

@@ -86,13 +86,18 @@ def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict
         log.warning("no GGUF for this model (%s): the reference is generated on the hf runtime", exc)
         parity = {"ok": False, "skipped": str(exc)}
     if f16 is not None:
-        all_convs = [c for convs in suites.values() for c in convs]
-        parity = check_parity(cfg, original, f16.path, f16.hash, renderer, all_convs)
+        parity = check_parity(cfg, original, f16.path, f16.hash, renderer, suites)
         problem = parity_error(parity)
-        if problem and cfg.variant.runtime == "llamacpp":
+        if problem and cfg.variant.quantizer == F16_VARIANT.quantizer:
             raise ConfigError(problem)
         if problem:
             log.error("parity check failed: %s", problem)
+        tok = parity["tokenizer"]
+        if tok["diverging_texts"]:
+            log.warning("the GGUF tokenizer (pre-tokenizer %r) splits %d of %d suite texts differently from the HF "
+                        "tokenizer (%d of %d tokens); every runtime is fed the HF ids, and the deployment path "
+                        "measures what a server tokenizing text itself would do", tok["gguf_pre_tokenizer"],
+                        tok["diverging_texts"], tok["texts"], tok["diverging_tokens"], tok["hf_tokens"])
     use_gguf = cfg.reference.runtime == "llamacpp" or (cfg.reference.runtime == "auto" and parity and parity.get("ok"))
     if cfg.reference.runtime == "llamacpp" and not (parity and parity.get("ok")):
         raise ConfigError("reference.runtime=llamacpp needs a passing F16 parity check: " + str(parity))
@@ -124,12 +129,15 @@ def evaluate_job(cfg: Config) -> dict:
         renderer = ChatRenderer(original.checkpoint, cfg.model.trust_remote_code, cfg.model.allow_plain_template)
         suites = load_suites(cfg, original, renderer)
         refs, producer, parity = setup_reference(cfg, original, renderer, suites)
-        from pipeline.evaluate import evaluate_variant
+        from pipeline.evaluate import deployment_path, deployment_suites, evaluate_variant
 
         try:
             artifact = build_artifact(variant, original, cfg)
             prompt = probe_prompt(renderer, suites, cfg.profile.speed.prompt_tokens)
             raw = evaluate_variant(cfg, original, renderer, artifact, suites, refs, producer, prompt)
+            served_suites = deployment_suites(cfg, parity, suites)
+            served = (deployment_path(cfg, original, renderer, artifact, suites, served_suites)
+                      if served_suites else None)
         except Skip as exc:
             result = {**base, "status": "skipped", "reason": str(exc)}
             write_json(result_path(cfg, variant.name), result)
@@ -146,6 +154,7 @@ def evaluate_job(cfg: Config) -> dict:
                            "free_running_source": raw["manifest"].get("free_running_source"),
                            "dequantized_check": raw["manifest"].get("dequantized_check"),
                            "wall_s": raw["manifest"].get("wall_s")},
+            "deployment": served,
             "reference": {"producer": producer["name"], "suites": {s: r.hash for s, r in refs.items()}},
             "parity": parity,
             "model": {"name": cfg.model.name, "source": cfg.model.source, "facts": original.facts},

@@ -38,6 +38,14 @@ def tensor_types(path: Path) -> dict[str, int]:
     return dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items()))
 
 
+def gguf_metadata(path: Path, key: str):
+    """One metadata value of a GGUF file (a string, number or list), or None when the file lacks it."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get(key)
+    return field.contents() if field is not None else None
+
+
 def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_name: str, out_dir: Path) -> Path:
     """HF checkpoint -> F16 GGUF with llama.cpp's own converter, cached in ``out_dir``."""
     src = converter_dir(cfg)

@@ -48,6 +48,9 @@ class Runtime(abc.ABC):
 
     name: str = ""
     info: dict
+    # True when the runtime has a tokenizer of its own that a server built on it applies to chat text (llama.cpp's
+    # GGUF vocabulary); then ``tokenize_served``/``detokenize_served`` exist and the deployment path is measured.
+    own_tokenizer: bool = False
 
     @abc.abstractmethod
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> Generation:
@@ -64,6 +67,15 @@ class Runtime(abc.ABC):
         from pipeline.metrics import log_softmax
 
         return log_softmax(self.logits(ids, positions))
+
+    def tokenize_served(self, text: str) -> list[int]:
+        """The ids a server on this runtime sends the model for a rendered prompt ``text`` (its own tokenizer,
+        special tokens parsed, BOS as the model's metadata says). Only where ``own_tokenizer``."""
+        raise NotImplementedError(f"runtime {self.name!r} has no tokenizer of its own")
+
+    def detokenize_served(self, ids: Sequence[int]) -> str:
+        """The text such a server returns for generated ``ids``. Only where ``own_tokenizer``."""
+        raise NotImplementedError(f"runtime {self.name!r} has no tokenizer of its own")
 
     def reset(self) -> None:
         """Forget any cached prefix so the next ``generate`` starts cold."""

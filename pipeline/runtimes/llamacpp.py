@@ -40,6 +40,7 @@ class LlamaCppRuntime(Runtime):
     """Options (variant.runtime_options): n_ctx, flash_attn, cache_type_k/v."""
 
     name = "llamacpp"
+    own_tokenizer = True
 
     def __init__(self, artifact: Path, options: dict, rcfg: RuntimeConfig, trust_remote_code: bool = False):
         import llama_cpp
@@ -165,6 +166,14 @@ class LlamaCppRuntime(Runtime):
 
     def tokenize(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def tokenize_served(self, text: str) -> list[int]:
+        # As llama-server tokenizes a chat prompt: special tokens parsed, add_special=true (BOS only where the
+        # GGUF's tokenizer.ggml.add_bos_token says so).
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+    def detokenize_served(self, ids: Sequence[int]) -> str:
+        return self.llm.detokenize([int(t) for t in ids]).decode("utf-8", errors="replace")
 
     def kv_cache_bytes(self) -> dict | None:
         """KV bytes llama.cpp holds for the live sequence, as it serialises them (llama_state_seq_get_size: the
