@@ -7,35 +7,15 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import metrics
-from pipeline.config import DecisionConfig
+from pipeline.catalogue import SCHEMA_VERSION, section_values
+from pipeline.runtimes import runtime_class
+from pipeline.stats import conversation_intervals
 from pipeline.store import read_json, read_jsonl
 
-SCHEMA_VERSION = 1
-# Bytes per cached element: llama.cpp block types count their per-block fp16 scale (q8_0: 32 int8 + 2 bytes).
-CACHE_BYTES = {"f32": 4.0, "float32": 4.0, "f16": 2.0, "float16": 2.0, "bfloat16": 2.0, "q8_0": 34 / 32,
-               "q4_0": 18 / 32}
-
-
+__all__ = ["SCHEMA_VERSION", "variant_summary", "capacity_plan"]
 def kv_bytes_per_token_formula(facts: dict, element_bytes: float) -> float:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
     return 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"] * element_bytes
-
-
-def cache_element_bytes(runtime_info: dict, head_dim: int) -> float:
-    """Mean bytes per cached K/V element for a runtime's cache setting.
-
-    hf integer cache (KIVI layout): K codes are bits/8 bytes per element with per-channel scales (a fixed cost
-    per sequence, not per token); V codes are bits/8 plus an fp16 scale and zero point per token and head, i.e.
-    4 / head_dim bytes per element. Averaged over K and V: bits/8 + 2/head_dim.
-    """
-    if runtime_info.get("runtime") == "llamacpp":
-        k = CACHE_BYTES[runtime_info.get("cache_type_k", "f16")]
-        v = CACHE_BYTES[runtime_info.get("cache_type_v", "f16")]
-        return (k + v) / 2
-    kv = runtime_info.get("kv_cache")
-    if kv:
-        return kv["bits"] / 8 + 2 / head_dim
-    return CACHE_BYTES.get(runtime_info.get("dtype", "float32"), 4.0)
 
 
 def kv_reported_per_token(kv: dict | None) -> float | None:
@@ -50,7 +30,7 @@ def kv_reported_per_token(kv: dict | None) -> float | None:
 
 def drift_figures(tf: dict) -> dict:
     """Token-level drift over every suite's reply tokens, plus position buckets, turns and suites."""
-    kld, top1, dnll, pos, turn_keys = [], [], [], [], []
+    kld, top1, dnll, pos, turn_keys, tail = [], [], [], [], [], []
     per_suite = {}
     for suite, convs in tf.items():
         s_kld = []
@@ -58,6 +38,7 @@ def drift_figures(tf: dict) -> dict:
             kld += c["kld"]
             s_kld += c["kld"]
             top1 += c["top1"]
+            tail += c.get("tail_mass", [])
             dnll += list(np.asarray(c["nll_variant"]) - np.asarray(c["nll_reference"]))
             pos += c["out_pos"]
             turn_keys += [f"{suite}:{t + 1}" for t in c["turn"]]
@@ -68,7 +49,8 @@ def drift_figures(tf: dict) -> dict:
         by_turn.setdefault(key, []).append(v)
     return {
         "kld_mean": dist["mean"], "kld_median": dist["median"], "kld_p90": dist["p90"], "kld_p99": dist["p99"],
-        "kld_max": dist["max"], "tokens": dist["n"],
+        "kld_max": dist["max"], "scored_tokens": dist["n"],
+        "tail_mass_mean": float(np.mean(tail)) if tail else None,
         "top1_agreement": float(np.mean(top1)) if top1 else None,
         "delta_nll": float(np.mean(dnll)) if dnll else None,
         "kld_by_position": metrics.position_buckets(pos, kld, 128),
@@ -242,7 +224,13 @@ def roofline(v: dict, bandwidth: dict | None) -> dict | None:
 
 def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: dict | None = None,
                     seed: int = 0) -> dict:
-    """The summary.json entry for one variant, from its result file and evaluation directory."""
+    """The summary.json entry for one variant, from its result file and evaluation directory. A result written
+    under another summary schema is reported as skipped (rerunning the comparison recomputes it: the evaluation
+    stage's key holds the schema version), never read with the wrong layout."""
+    if result["status"] == "ok" and result.get("schema_version", 1) != SCHEMA_VERSION:
+        return {"status": "skipped", "runtime": result.get("runtime"), "description": result.get("description"),
+                "reason": f"evaluated under summary schema {result.get('schema_version', 1)}, this is schema "
+                          f"{SCHEMA_VERSION}: rerun the comparison (make compare) to recompute it"}
     if result["status"] != "ok":
         return {"status": result["status"], "reason": result.get("reason"), "runtime": result.get("runtime"),
                 "description": result.get("description")}
@@ -253,16 +241,22 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
     drift = drift_figures(tf)
     free = free_running_figures(samples, degeneration)
     recall = recall_figures(tf, samples)
-    from pipeline.stats import conversation_intervals
-
     intervals = conversation_intervals(tf, samples, seed)
     facts = result["model"]["facts"]
     info = speed.get("runtime_info") or {}
     info_a = result["artifact"]["info"]
-    formula = kv_bytes_per_token_formula(facts, cache_element_bytes(info, facts["head_dim"]))
+    runtime = runtime_class(result["runtime"])
+    formula = kv_bytes_per_token_formula(facts, runtime.cache_element_bytes(info, facts["head_dim"]))
     kv = speed.get("kv_reported")
     reported = kv_reported_per_token(kv)
     gap = abs(reported - formula) / formula if reported else None
+    memory = {
+        "artifact_bytes": result["artifact"]["bytes"],
+        "peak_rss_mb": speed.get("peak_rss_mb"),
+        "kv_bytes_per_token": formula,
+        "kv_bytes_per_token_reported": reported,
+    }
+    sources = {"drift": drift, "free": free, "speed": speed, "memory": memory}
     out = {
         "status": "ok",
         "reason": None,
@@ -270,29 +264,20 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         "runtime": result["runtime"],
         "kernel": info.get("kernel"),
         "runtime_info": info,
-        "drift": {
-            "kld_mean": drift["kld_mean"], "kld_median": drift["kld_median"], "kld_p90": drift["kld_p90"],
-            "kld_p99": drift["kld_p99"], "kld_max": drift["kld_max"], "top1_agreement": drift["top1_agreement"],
-            "delta_nll": drift["delta_nll"], "scored_tokens": drift["tokens"],
-            "pass_rate": free["pass_rate"], "flip_rate": free["flip_rate"],
-        },
+        "drift": section_values("drift", sources),
         "intervals": intervals,
         "drift_detail": {k: drift[k] for k in ("kld_by_position", "kld_by_turn", "kld_by_suite")},
         "free_running": {**free, "source": result["evaluation"].get("free_running_source")},
         "recall": recall,
         "deployment": deployment_figures(result.get("deployment"), samples),
-        "speed": {k: speed.get(k) for k in ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s",
-                                            "itl_p99_s", "prompt_tokens", "decode_tokens", "repeats", "cpu_noise",
-                                            "noisy", "load_s")},
+        "speed": {**section_values("speed", sources),
+                  **{k: speed.get(k) for k in ("prompt_tokens", "decode_tokens", "repeats", "cpu_noise", "noisy",
+                                               "load_s")}},
         "memory": {
-            "artifact_bytes": result["artifact"]["bytes"],
-            "peak_rss_mb": speed.get("peak_rss_mb"),
-            "kv_bytes_per_token": formula,
-            "kv_bytes_per_token_reported": reported,
+            **section_values("memory", sources),
             "kv_reported_source": (kv or {}).get("source") if not (kv or {}).get("allocated_bytes")
             else "llama.cpp log: KV buffer size / cells",
-            "kv_cache": info.get("cache_type_k") if info.get("runtime") == "llamacpp"
-            else (f"int{info['kv_cache']['bits']}" if info.get("kv_cache") else info.get("dtype")),
+            "kv_cache": runtime.kv_cache_label(info),
             "kv_formula_gap": gap,
             "kv_gap_flagged": bool(gap is not None and gap > 0.10),
         },
@@ -310,119 +295,3 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
     }
     out["roofline"] = roofline(out, bandwidth)
     return out
-
-
-# ------------------------------------------------------------------------------------------ decision
-
-_OBJECTIVES = {
-    "decode_speed": (lambda v: -(v["speed"]["decode_tokens_per_s"] or 0.0), "decode tokens/s"),
-    "memory": (lambda v: v["memory"]["peak_rss_mb"] or float("inf"), "peak RSS"),
-    "size": (lambda v: v["memory"]["artifact_bytes"], "artifact size"),
-}
-
-
-def first_failed_constraint(name: str, v: dict, original: dict | None, d: DecisionConfig) -> str | None:
-    failed = failed_constraints(v, original, d)
-    return failed[0][0] if failed else None
-
-
-def failed_constraints(v: dict, original: dict | None, d: DecisionConfig) -> list[tuple[str, float]]:
-    """Every constraint the variant fails: (message, relative violation), in the configured order."""
-    dr, sp, mem = v["drift"], v["speed"], v["memory"]
-    checks = [
-        (d.max_kld_mean, dr["kld_mean"], lambda lim, x: x <= lim, "mean KLD {x:.4f} > {lim}"),
-        (d.max_kld_p99, dr["kld_p99"], lambda lim, x: x <= lim, "p99 KLD {x:.4f} > {lim}"),
-        (d.max_flip_rate, dr["flip_rate"], lambda lim, x: x <= lim, "flip rate {x:.1%} > {lim:.0%}"),
-        (d.min_decode_tokens_per_s, sp["decode_tokens_per_s"], lambda lim, x: x >= lim, "decode {x:.1f} tok/s < {lim}"),
-        (d.max_peak_rss_mb, mem["peak_rss_mb"], lambda lim, x: x <= lim, "peak RSS {x:.0f} MB > {lim}"),
-        (d.max_artifact_bytes, mem["artifact_bytes"], lambda lim, x: x <= lim, "artifact {x} bytes > {lim}"),
-    ]
-    if d.min_pass_rate_ratio is not None and original and original["drift"]["pass_rate"]:
-        ratio = (dr["pass_rate"] or 0.0) / original["drift"]["pass_rate"]
-        checks.append((d.min_pass_rate_ratio, ratio, lambda lim, x: x >= lim, "pass rate {x:.0%} of the original's < {lim:.0%}"))
-    out = []
-    for limit, value, ok, msg in checks:
-        if limit is None:
-            continue
-        if value is None:
-            out.append((msg.split(" {")[0] + " not measured", float("inf")))
-        elif not ok(limit, value):
-            out.append((msg.format(x=value, lim=limit), abs(value - limit) / max(abs(limit), 1e-12)))
-    return out
-
-
-def _point(v: dict) -> tuple[float, float, float] | None:
-    """(drift, -decode tokens/s, memory): all lower-is-better, for the Pareto front."""
-    k, tps, mem = v["drift"]["kld_mean"], v["speed"]["decode_tokens_per_s"], v["memory"]["peak_rss_mb"]
-    if k is None or tps is None or mem is None:
-        return None
-    return (k, -tps, mem)
-
-
-def decide(variants: dict[str, dict], d: DecisionConfig) -> dict:
-    """The recommended variant by the objective among those meeting every constraint, the Pareto front over
-    (mean KLD, decode tokens/s, peak memory), and for every other variant why it lost: the first constraint it
-    failed, else the variant that dominates it, else that it ranks lower on the objective."""
-    from pipeline.stats import dominator, pareto_front
-
-    key, label = _OBJECTIVES[d.objective]
-    ok = {n: v for n, v in variants.items() if v["status"] == "ok"}
-    original = ok.get("original")
-    points = {n: p for n, v in ok.items() if (p := _point(v)) is not None}
-    front = pareto_front(points)
-    reasons: dict[str, str] = {}
-    failed_by: dict[str, str] = {}
-    passing = []
-    for name, v in ok.items():
-        failed = first_failed_constraint(name, v, original, d)
-        if failed:
-            failed_by[name] = failed
-            reasons[name] = f"fails constraint: {failed}"
-        else:
-            passing.append(name)
-    for name, v in variants.items():
-        if v["status"] != "ok":
-            reasons[name] = f"{v['status']}: {v.get('reason')}"
-    base = {"objective": d.objective, "decision": d.name, "pareto_front": front,
-            "pareto_axes": ["mean KLD (lower)", "decode tokens/s (higher)", "peak RSS MB (lower)"]}
-    if not passing:
-        # closest: the fewest constraints failed, then the smallest relative violation of them
-        def distance(n: str) -> tuple[int, float]:
-            f = failed_constraints(ok[n], original, d)
-            return len(f), sum(x for _, x in f)
-
-        closest = min(ok, key=lambda n: (*distance(n), n)) if ok else None
-        return {**base, "variant": None,
-                "summary": f"no variant meets every constraint of decision '{d.name}'"
-                           + (f"; closest: {closest} ({failed_by.get(closest, '')})" if closest else ""),
-                "closest": closest, "reasons": reasons}
-    passing.sort(key=lambda n: (key(ok[n]), n))
-    lead = key(ok[passing[0]])
-    tied = [n for n in passing if abs(key(ok[n]) - lead) <= d.tie_tolerance * abs(lead)]
-    best = min(tied, key=lambda n: (ok[n]["drift"]["kld_mean"] if ok[n]["drift"]["kld_mean"] is not None
-                                    else float("inf"), n))
-    passing = [best] + [n for n in passing if n != best]
-    for name in passing[1:]:
-        dom = dominator(name, points) if name in points else None
-        if name in tied:
-            reasons[name] = (f"meets every constraint and its {label} is within {d.tie_tolerance:.0%} of the best "
-                             f"(a tie), but {best} drifts less")
-        elif dom:
-            reasons[name] = (f"meets every constraint but is dominated by {dom} (at least as low drift, as fast "
-                             "and as small, better on one)")
-        else:
-            reasons[name] = f"meets every constraint and is on the Pareto front, but has lower {label} than {best}"
-    b = ok[best]
-    tie_note = (f" (ties within {d.tie_tolerance:.0%}: {', '.join(n for n in tied if n != best)}; lowest drift wins)"
-                if len(tied) > 1 else "")
-    reasons[best] = (f"best {label} ({_fmt_objective(d.objective, b)}){tie_note} among variants meeting every "
-                     f"constraint; mean KLD {b['drift']['kld_mean']:.4f}, flip rate {(b['drift']['flip_rate'] or 0):.1%}")
-    return {**base, "variant": best, "summary": reasons[best], "reasons": reasons}
-
-
-def _fmt_objective(objective: str, v: dict) -> str:
-    if objective == "decode_speed":
-        return f"{v['speed']['decode_tokens_per_s']:.1f} tok/s"
-    if objective == "memory":
-        return f"{v['memory']['peak_rss_mb']:.0f} MB"
-    return f"{v['memory']['artifact_bytes'] / 2**20:.1f} MiB"

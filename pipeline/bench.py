@@ -46,8 +46,9 @@ def run_bench(cfg: Config) -> int:
     from pipeline.conversation import ChatRenderer
     from pipeline.prepare import prepare
     from pipeline.probe import probe_speed
-    from pipeline.quantizers.base import build_artifact
-    from pipeline.reference import load_runtime, n_ctx_for, reply_positions
+    from pipeline.quantizers import build_artifact
+    from pipeline.reference import n_ctx_for, reply_positions
+    from pipeline.runtimes import load_runtime
     from pipeline.run import evaluate_job, load_suites, probe_prompt, setup_reference
 
     names = cfg.run.variants or [cfg.variant.name]
@@ -71,9 +72,9 @@ def run_bench(cfg: Config) -> int:
         speed = probe_speed(vcfg, variant, artifact, prompt)
         rt = load_runtime(variant, artifact.path, vcfg,
                           n_ctx=n_ctx_for(len(longest["ids"]) + 8, original.facts.get("context_length")))
-        rt.gather(longest["ids"], positions[:1], [[0]])   # warm-up
+        rt.score(longest["ids"], positions[:1], [[0]])   # warm-up
         t = time.perf_counter()
-        rt.gather(longest["ids"], positions, [[0]] * len(positions))
+        rt.score(longest["ids"], positions, [[0]] * len(positions))
         score_s = time.perf_counter() - t
         rt.close()
         rows[name] = {

@@ -20,12 +20,73 @@ from pipeline.config import PROJECT_ROOT, Config, ConfigError, register_resolver
 
 log = logging.getLogger("quantdrift")
 
-SUBCOMMANDS = ("evaluate", "report", "regress", "baseline", "corpus", "bench", "prepare")
 _CORPUS_SHORTHAND = ("file", "ctx", "json", "max_chunks")
 EXIT_BAD_INPUT = 2
 EXIT_VARIANT_FAILED = 3
 
 _exit_code = 0
+
+
+def _evaluate(cfg: Config) -> int:
+    from pipeline.run import evaluate_job
+
+    result = evaluate_job(cfg)
+    log.info("%s: %s%s", result["variant"], result["status"], f" ({result['reason']})" if result.get("reason") else "")
+    return EXIT_VARIANT_FAILED if result["status"] == "failed" else 0
+
+
+def _report(cfg: Config) -> int:
+    from pipeline.report import write_report
+
+    summary = write_report(cfg)
+    rec = summary["recommendation"]
+    print(f"report: {cfg.results_dir / 'report.md'}")
+    print(f"recommendation: {rec['variant'] or 'none'} — {rec['summary']}")
+    failed = [n for n, v in summary["variants"].items() if v["status"] == "failed"]
+    if failed:
+        print(f"failed variants: {', '.join(failed)}", file=sys.stderr)
+        return EXIT_VARIANT_FAILED
+    return 0
+
+
+def _regress(cfg: Config) -> int:
+    from pipeline.regress import run_regress
+
+    return run_regress(cfg)
+
+
+def _baseline(cfg: Config) -> int:
+    from pipeline.regress import promote
+
+    if not cfg.regress.promote:
+        raise ConfigError("baseline: expected `quantdrift baseline promote RUN` (RUN: a folder under "
+                          f"{cfg.paths.results}/{cfg.model.name}/)")
+    return promote(cfg, cfg.regress.promote)
+
+
+def _corpus(cfg: Config) -> int:
+    from pipeline.corpus import run_corpus
+
+    return run_corpus(cfg)
+
+
+def _bench(cfg: Config) -> int:
+    from pipeline.bench import run_bench
+
+    return run_bench(cfg)
+
+
+def _prepare(cfg: Config) -> int:
+    from pipeline.prepare import prepare
+
+    original = prepare(cfg.model, cfg.model_dir, force=cfg.force)
+    print(f"original: {original.checkpoint}")
+    return 0
+
+
+# command -> what runs it (Config.COMMANDS lists the same names; a test checks they agree)
+COMMANDS = {"evaluate": _evaluate, "report": _report, "regress": _regress, "baseline": _baseline,
+            "corpus": _corpus, "bench": _bench, "prepare": _prepare}
 
 
 def run(cfg: Config) -> int:
@@ -35,55 +96,11 @@ def run(cfg: Config) -> int:
 
     kind, _ = classify_source(cfg.model.source)
     configure(needs_hub=kind == "hub")
-    if cfg.command == "evaluate":
-        from pipeline.run import evaluate_job
-
-        result = evaluate_job(cfg)
-        log.info("%s: %s%s", result["variant"], result["status"],
-                 f" ({result['reason']})" if result.get("reason") else "")
-        return EXIT_VARIANT_FAILED if result["status"] == "failed" else 0
-    if cfg.command == "report":
-        from pipeline.report import write_report
-
-        summary = write_report(cfg)
-        rec = summary["recommendation"]
-        print(f"report: {cfg.results_dir / 'report.md'}")
-        print(f"recommendation: {rec['variant'] or 'none'} — {rec['summary']}")
-        failed = [n for n, v in summary["variants"].items() if v["status"] == "failed"]
-        if failed:
-            print(f"failed variants: {', '.join(failed)}", file=sys.stderr)
-            return EXIT_VARIANT_FAILED
-        return 0
-    if cfg.command == "regress":
-        from pipeline.regress import run_regress
-
-        return run_regress(cfg)
-    if cfg.command == "baseline":
-        from pipeline.regress import promote
-
-        if not cfg.regress.promote:
-            raise ConfigError("baseline: expected `quantdrift baseline promote RUN` (RUN: a folder under "
-                              f"{cfg.paths.results}/{cfg.model.name}/)")
-        return promote(cfg, cfg.regress.promote)
-    if cfg.command == "corpus":
-        from pipeline.corpus import run_corpus
-
-        return run_corpus(cfg)
-    if cfg.command == "bench":
-        from pipeline.bench import run_bench
-
-        return run_bench(cfg)
-    if cfg.command == "prepare":
-        from pipeline.prepare import prepare
-
-        original = prepare(cfg.model, cfg.model_dir, force=cfg.force)
-        print(f"original: {original.checkpoint}")
-        return 0
-    raise ConfigError(f"unknown command {cfg.command!r}")  # pragma: no cover - validated in Config
+    return COMMANDS[cfg.command](cfg)
 
 
 def _translate(argv: list[str]) -> list[str]:
-    if argv and argv[0] in SUBCOMMANDS:
+    if argv and argv[0] in Config.COMMANDS:
         cmd, rest = argv[0], argv[1:]
         if cmd == "corpus":
             rest = [f"corpus.{a}" if a.split("=", 1)[0] in _CORPUS_SHORTHAND else a for a in rest]

@@ -9,31 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import ConfigError, Skip
+from pipeline.settings import build_settings as _build
+from pipeline.settings import one_of as _one_of
+from pipeline.settings import positive_int as _positive_int
+from pipeline.settings import require as _require
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration or input problem. The CLI prints it without a traceback and exits 2."""
-
-
-class Skip(Exception):
-    """A variant that cannot be built or run here (an impossible combination, a format the model does not
-    allow); it is reported as skipped with this reason, never hidden, and the other variants still run."""
-
-
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is not valid: expected {allowed}")
-
-
-def _one_of(key: str, value: Any, allowed: tuple) -> None:
-    _require(value in allowed, key, value, "one of " + ", ".join(map(str, allowed)))
-
-
-def _positive_int(key: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value, "a positive integer")
+__all__ = ["ConfigError", "Skip", "Config", "PROJECT_ROOT"]   # the exceptions live in pipeline.errors
 
 
 @dataclass
@@ -83,13 +66,16 @@ class VariantConfig:
     def __post_init__(self) -> None:
         _require(bool(self.name) and all(c.isalnum() or c in "-_.+" for c in self.name), "variant.name", self.name,
                  "letters, digits, '-', '_', '.', '+'")
-        from pipeline.quantizers import QUANTIZERS
-        from pipeline.runtimes import RUNTIMES
+        from pipeline.quantizers import QUANTIZERS, quantizer_class
+        from pipeline.runtimes import RUNTIMES, runtime_class
 
         _one_of("variant.quantizer", self.quantizer, tuple(sorted(QUANTIZERS)))
         _one_of("variant.runtime", self.runtime, tuple(sorted(RUNTIMES)))
         if not self.base:
             self.base = self.name.split("+", 1)[0]
+        # Each backend validates its own options now, before any stage runs (a misspelt key fails here).
+        quantizer_class(self.quantizer).parse_options(self.quantize, f"variant {self.name}: quantize")
+        runtime_class(self.runtime).parse_options(self.runtime_options, f"variant {self.name}: runtime_options")
 
 
 @dataclass
@@ -101,8 +87,6 @@ class KVCacheConfig:
     residual_length: int = 16        # hf: newest tokens kept in full precision
     score_chunk: int = 16            # hf: reply tokens per teacher-forced chunk through the cache
 
-    LLAMACPP_TYPES = {8: "q8_0", 4: "q4_0"}
-
     def __post_init__(self) -> None:
         _require(self.bits in (None, 8, 4), "kv_cache.bits", self.bits, "null (full precision), 8 or 4")
         _positive_int("kv_cache.residual_length", self.residual_length)
@@ -112,28 +96,24 @@ class KVCacheConfig:
     def quantized(self) -> bool:
         return self.bits is not None
 
-    def suffix(self, runtime: str) -> str:
-        return f"kv_{self.LLAMACPP_TYPES[self.bits]}" if runtime == "llamacpp" else f"kv_int{self.bits}"
-
 
 def apply_kv_cache(variant: VariantConfig, kv: KVCacheConfig) -> VariantConfig:
-    """The variant with the KV-cache setting folded into its runtime options and its name (BASE+kv_TYPE)."""
-    opts = variant.runtime_options
-    applied = "kv_cache" in opts or opts.get("cache_type_k", "f16") != "f16" or opts.get("cache_type_v", "f16") != "f16"
+    """The variant with the KV-cache setting folded into its runtime options and its name (BASE+kv_TYPE); the
+    runtime translates the setting into its own options."""
+    from pipeline.runtimes import runtime_class
+
+    rt = runtime_class(variant.runtime)
     if not kv.quantized:
-        if "+kv_" in variant.name and not applied:
+        if "+kv_" in variant.name and not rt.kv_cache_applied(variant.runtime_options):
             raise ConfigError(f"variant {variant.name!r} is a KV-cache variant but kv_cache={kv.name} is full "
                               f"precision: drop the kv_cache override, or use variant={variant.base}")
         return variant
-    opts = dict(variant.runtime_options)
-    if variant.runtime == "llamacpp":
-        opts["cache_type_k"] = opts["cache_type_v"] = KVCacheConfig.LLAMACPP_TYPES[kv.bits]
-        opts["flash_attn"] = True    # llama.cpp requires it for a quantized V cache
-    else:
-        opts["kv_cache"] = {"bits": kv.bits, "residual_length": kv.residual_length, "score_chunk": kv.score_chunk}
-    name = f"{variant.base}+{kv.suffix(variant.runtime)}"
-    return dataclasses.replace(variant, name=name, runtime_options=opts,
-                               description=f"{variant.description.rstrip('.')}, KV cache {kv.suffix(variant.runtime)[3:]}")
+    try:
+        opts, suffix = rt.apply_kv_cache(dict(variant.runtime_options), kv)
+    except Skip as exc:
+        raise ConfigError(f"kv_cache={kv.name} cannot apply to variant {variant.name!r}: {exc}") from None
+    return dataclasses.replace(variant, name=f"{variant.base}+{suffix}", runtime_options=opts,
+                               description=f"{variant.description.rstrip('.')}, KV cache {suffix[3:]}")
 
 
 @dataclass
@@ -242,7 +222,6 @@ class RuntimeConfig:
     threads: int = 0              # 0: all cores
     n_batch: int = 512            # llama.cpp batch for prefill and scoring
     n_gpu_layers: int = -1        # llama.cpp layers offloaded when device is cuda
-    score_chunk: int = 1024       # HF: positions per log-softmax chunk when scoring
     flash_attn: bool = True       # llama.cpp: flash attention for every variant (a quantized V cache requires it)
 
     def __post_init__(self) -> None:
@@ -259,7 +238,7 @@ class RuntimeConfig:
 
 @dataclass
 class ReferenceConfig:
-    # auto: the F16 GGUF on llama.cpp produces the transcripts when the parity checks hold, else the original on hf.
+    # auto: the F16 GGUF (variant gguf_f16) produces the transcripts when the parity check holds, else the original.
     runtime: str = "auto"
     top_k: int = 32
     # Parity gates: F16 GGUF vs original on the same ids.
@@ -267,7 +246,7 @@ class ReferenceConfig:
     parity_tokens: int = 512
 
     def __post_init__(self) -> None:
-        _one_of("reference.runtime", self.runtime, ("auto", "hf", "llamacpp"))
+        _one_of("reference.runtime", self.runtime, ("auto", "original", "gguf_f16"))
         _positive_int("reference.top_k", self.top_k)
 
 
@@ -309,16 +288,17 @@ class RegressConfig:
     KEYS = ("rel", "abs", "ratio", "interval", "better")
 
     def __post_init__(self) -> None:
-        from pipeline.regress import METRICS
+        from pipeline.catalogue import METRICS
 
+        judged = {m.name: m for m in METRICS if m.better}
         for where, tol in [("tolerances", self.tolerances)] + [(f"per_variant.{v}", t)
                                                               for v, t in (self.per_variant or {}).items()]:
             for metric, spec in (tol or {}).items():
-                _one_of(f"regress.{where} metric", metric, tuple(METRICS))
+                _one_of(f"regress.{where} metric", metric, tuple(judged))
                 for k, val in (spec or {}).items():
                     _one_of(f"regress.{where}.{metric}", k, self.KEYS)
-                    if k == "better":
-                        _one_of(f"regress.{where}.{metric}.better", val, ("lower", "higher"))
+                    if k == "better":   # optional: the catalogue declares the direction; a contradiction is an error
+                        _one_of(f"regress.{where}.{metric}.better", val, (judged[metric].better,))
                     elif k != "interval":
                         _require(isinstance(val, (int, float)) and val >= 0, f"regress.{where}.{metric}.{k}", val,
                                  "a non-negative number")
@@ -391,21 +371,6 @@ class Config:
 
     def selected_suites(self) -> list[SuiteConfig]:
         return [self.suites[s] for s in self.run.suites]
-
-
-def _build(cls, data: Any, key: str):
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{key} must be a mapping, got {data!r}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"{key} has unknown key(s) {', '.join(unknown)}: expected some of {', '.join(sorted(names))}")
-    try:
-        return cls(**data)
-    except TypeError as exc:  # a missing required key
-        raise ConfigError(f"{key}: {exc}") from None
 
 
 def from_dict(raw: dict) -> Config:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.prompts import Conversation, check_label, run_check
 from pipeline.runtimes.base import Runtime
 

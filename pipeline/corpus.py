@@ -64,8 +64,8 @@ def corpus_drift(original_rt, variant_rt, ids: list[int], ctx: int, bos_id: int 
 
 def run_corpus(cfg: Config) -> int:
     from pipeline.prepare import prepare
-    from pipeline.quantizers.base import build_artifact
-    from pipeline.reference import load_runtime
+    from pipeline.quantizers import build_artifact
+    from pipeline.runtimes import load_runtime
 
     path = Path(cfg.corpus.file).expanduser()
     if not cfg.corpus.file or not path.is_file():

@@ -13,12 +13,15 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline import metrics
+from pipeline.catalogue import SCHEMA_VERSION
 from pipeline.config import Config
 from pipeline.conversation import ChatRenderer, run_conversation
 from pipeline.prepare import Original
 from pipeline.prompts import Conversation
 from pipeline.quantizers.base import Artifact
-from pipeline.reference import SuiteReference, context_needed, load_runtime, n_ctx_for
+from pipeline.reference import SuiteReference, context_needed, n_ctx_for
+from pipeline.runtimes import load_runtime
+from pipeline.runtimes import runtime_class
 from pipeline.store import Journal, read_json, run_stage, write_json, write_jsonl
 
 log = logging.getLogger(__name__)
@@ -32,13 +35,15 @@ def teacher_forced(runtime, ref: SuiteReference, top_k: int) -> dict[str, dict]:
         if s is None:
             continue
         cand = np.concatenate([s["topk_ids"].astype(np.int64), np.asarray(tr["ids"])[s["pos"] + 1][:, None]], axis=1)
-        lp, argmax = runtime.gather(tr["ids"], s["pos"].tolist(), cand)
+        scores = runtime.score(tr["ids"], s["pos"].tolist(), cand)
+        lp, argmax = scores.logprobs, scores.argmax
         kld = metrics.kld_topk_tail(s["topk_lp"], s["tail"], lp[:, :top_k])
         out[tr["id"]] = {
             "kld": kld.astype(np.float32).tolist(),
             "top1": (argmax == s["topk_ids"][:, 0]).astype(int).tolist(),
             "nll_variant": (-lp[:, top_k]).astype(np.float32).tolist(),
             "nll_reference": (-s["actual_lp"].astype(np.float64)).astype(np.float32).tolist(),
+            "tail_mass": np.exp(s["tail"].astype(np.float64)).astype(np.float32).tolist(),
             "out_pos": s["out_pos"].tolist(),
             "turn": s["turn"].tolist(),
         }
@@ -80,8 +85,8 @@ def proxy_check(kernel_rt, proxy_rt, ref: SuiteReference, top_k: int) -> dict:
     n = min(PROXY_SAMPLE_TOKENS, len(s["pos"]))
     pos = s["pos"][:n]
     cand = np.concatenate([s["topk_ids"][:n].astype(np.int64), np.asarray(tr["ids"])[pos + 1][:, None]], axis=1)
-    lp_k, am_k = kernel_rt.gather(tr["ids"], pos.tolist(), cand)
-    lp_p, am_p = proxy_rt.gather(tr["ids"], pos.tolist(), cand)
+    sk, sp = kernel_rt.score(tr["ids"], pos.tolist(), cand), proxy_rt.score(tr["ids"], pos.tolist(), cand)
+    lp_k, am_k, lp_p, am_p = sk.logprobs, sk.argmax, sp.logprobs, sp.argmax
     kld_k = float(metrics.kld_topk_tail(s["topk_lp"][:n], s["tail"][:n], lp_k[:, :top_k]).mean())
     kld_p = float(metrics.kld_topk_tail(s["topk_lp"][:n], s["tail"][:n], lp_p[:, :top_k]).mean())
     gap = abs(kld_p - kld_k) / max(kld_k, 1e-12)
@@ -108,14 +113,14 @@ def dequantized_proxy(cfg: Config, artifact: Artifact) -> Path:
 
 def _choose_generator(cfg: Config, kernel_rt, artifact: Artifact, refs: dict, original: Original, need: int):
     """The dequantized stand-in for free-running when it reproduces the kernel on a sample, else the kernel."""
-    from pipeline.config import Skip
-    from pipeline.reference import F16_VARIANT
+    from pipeline.errors import Skip
+    from pipeline.reference import f16_variant
 
     try:
         proxy_path = dequantized_proxy(cfg, artifact)
     except Skip as exc:
         return kernel_rt, {"used": False, "reason": f"no GGUF stand-in: {exc}"}
-    proxy_rt = load_runtime(F16_VARIANT, proxy_path, cfg, n_ctx=n_ctx_for(need, original.facts.get("context_length")))
+    proxy_rt = load_runtime(f16_variant(), proxy_path, cfg, n_ctx=n_ctx_for(need, original.facts.get("context_length")))
     check = proxy_check(kernel_rt, proxy_rt, next(iter(refs.values())), cfg.reference.top_k)
     log.info("%s: dequantized stand-in vs kernel on %s: KLD %.4g vs %.4g (gap %.1f%%), top-1 agreement %.1f%% -> %s",
              cfg.variant.name, check["sample"], check["kld_dequantized"], check["kld_kernel"], 100 * check["kld_gap"],
@@ -133,10 +138,11 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
     variant = cfg.variant
     out_dir = cfg.model_dir / "runs" / cfg.run.name / variant.name
     key = {
+        "schema_version": SCHEMA_VERSION,    # an evaluation from another contract is recomputed, never misread
         "variant": variant.name, "artifact": artifact.hash, "runtime": variant.runtime,
         "runtime_options": variant.runtime_options, "references": {s: r.hash for s, r in refs.items()},
         "threads": cfg.runtime.n_threads, "device": cfg.runtime.device, "speed": cfg.profile.speed.__dict__,
-        "flash_attn": cfg.runtime.flash_attn if variant.runtime == "llamacpp" else None,
+        "runtime_settings": runtime_class(variant.runtime).key_settings(cfg.runtime),
         "probe_prompt": len(probe_prompt),
     }
     stop_ids = original.facts["eos_token_ids"]
@@ -220,7 +226,6 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
 def deployment_suites(cfg: Config, parity: dict | None, suites: dict) -> list[str]:
     """Suites the deployment path runs on for cfg.variant (none for a runtime without a tokenizer of its own)."""
     from pipeline.reference import diverging_suites
-    from pipeline.runtimes import runtime_class
 
     mode = cfg.profile.deployment_path
     if mode == "never" or not runtime_class(cfg.variant.runtime).own_tokenizer:
@@ -242,7 +247,7 @@ def deployment_path(cfg: Config, original: Original, renderer: ChatRenderer, art
     out_dir = cfg.model_dir / "runs" / cfg.run.name / f"{variant.name}.served"
     key = {"variant": variant.name, "artifact": artifact.hash, "runtime": variant.runtime,
            "runtime_options": variant.runtime_options, "threads": cfg.runtime.n_threads, "device": cfg.runtime.device,
-           "flash_attn": cfg.runtime.flash_attn, "template": original.facts.get("chat_template_hash"),
+           "runtime_settings": runtime_class(variant.runtime).key_settings(cfg.runtime), "template": original.facts.get("chat_template_hash"),
            "conversations": {s: stable_hash(suites[s]) for s in names}}
     stop_ids = original.facts["eos_token_ids"]
     context = original.facts.get("context_length")

@@ -13,8 +13,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import ConfigError, ModelConfig
+from typing import TYPE_CHECKING
+
+from pipeline.errors import ConfigError
 from pipeline.store import read_json, run_stage, stable_hash, write_json
+
+if TYPE_CHECKING:
+    from pipeline.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

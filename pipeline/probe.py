@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pipeline.memory import peak_rss_mb
+
 log = logging.getLogger(__name__)
 
 
@@ -82,18 +84,6 @@ def probe_speed(cfg, variant, artifact, prompt_ids: list[int]) -> dict:
     result["cpu_noise"] = noise
     result["noisy"] = bool(noise is not None and noise > sp.max_cpu_noise)
     return result
-
-
-def peak_rss_mb() -> float:
-    """This process's resident high-water mark. VmHWM belongs to the current address space; ru_maxrss would
-    carry the parent's peak across fork+exec on Linux and credit a small variant with the parent's model."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 
 CHECK_TYPES = ("contains", "not_contains", "regex", "number", "json")
 MAX_TURNS = 8
@@ -36,9 +36,6 @@ class Conversation:
     category: str = ""
     # Free-form facts about the record that scoring groups by (e.g. a recall document's length and depth).
     meta: dict = field(default_factory=dict)
-
-    def n_checks(self) -> int:
-        return sum(len(t.checks) for t in self.turns)
 
 
 class PromptError(ConfigError):

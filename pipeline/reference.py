@@ -19,18 +19,20 @@ from pipeline.config import Config, ConfigError, VariantConfig
 from pipeline.conversation import ChatRenderer, base_messages, run_conversation
 from pipeline.prepare import Original
 from pipeline.prompts import Conversation
+from pipeline.runtimes import load_runtime
 from pipeline.store import Journal, read_jsonl, run_stage, stable_hash, write_jsonl
 
 log = logging.getLogger(__name__)
 
-F16_VARIANT = VariantConfig(name="gguf_f16", quantizer="gguf", runtime="llamacpp", quantize={"type": "F16"})
+
+# The variant (conf/variant/gguf_f16.yaml) that checks the conversion and, when it holds, generates the reference.
+F16_NAME = "gguf_f16"
 
 
-def load_runtime(variant: VariantConfig, artifact_path: Path, cfg: Config, **options):
-    from pipeline.runtimes import runtime_class
+def f16_variant() -> VariantConfig:
+    from pipeline.config import load_variant
 
-    opts = {**variant.runtime_options, **options}
-    return runtime_class(variant.runtime)(artifact_path, opts, cfg.runtime, cfg.model.trust_remote_code)
+    return load_variant(F16_NAME)
 
 
 def context_needed(convs: list[Conversation], renderer: ChatRenderer, transcripts: list[dict] | None = None) -> int:
@@ -121,7 +123,7 @@ def check_parity(cfg: Config, original: Original, f16_path: Path, f16_hash: str,
         from pipeline.metrics import kld_full
         from pipeline.quantizers.gguf import gguf_metadata
 
-        gguf = load_runtime(F16_VARIANT, f16_path, cfg, n_ctx=max(cfg.reference.parity_tokens + 8, 512))
+        gguf = load_runtime(f16_variant(), f16_path, cfg, n_ctx=max(cfg.reference.parity_tokens + 8, 512))
         tokenizer = tokenizer_divergence(texts, renderer, gguf.tokenize)
         tokenizer["gguf_pre_tokenizer"] = gguf_metadata(f16_path, "tokenizer.ggml.pre")
         tokenizer["hf_pre_tokenizer"] = renderer.pre_tokenizer()
@@ -198,6 +200,7 @@ def build_reference(cfg: Config, original: Original, renderer: ChatRenderer, sui
                     convs: list[Conversation], producer: dict) -> SuiteReference:
     """producer: {"name": ..., "variant": VariantConfig, "path": Path, "hash": str}."""
     from pipeline.metrics import topk_from_logprobs
+    from pipeline.runtimes import runtime_class
 
     out_dir = cfg.model_dir / "reference" / cfg.run.name / suite
     key = {
@@ -206,7 +209,7 @@ def build_reference(cfg: Config, original: Original, renderer: ChatRenderer, sui
         "conversations": stable_hash(convs),
         "top_k": cfg.reference.top_k,
         "template": original.facts.get("chat_template_hash"),
-        "flash_attn": cfg.runtime.flash_attn if producer["name"].endswith("llamacpp") else None,
+        "runtime_settings": runtime_class(producer["variant"].runtime).key_settings(cfg.runtime),
     }
     stop_ids = original.facts["eos_token_ids"]
 

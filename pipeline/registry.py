@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 
 
-def load_class(table: dict[str, str], name: str, kind: str):
-    from pipeline.config import ConfigError
+def load_class(table: dict, name: str, kind: str):
+    from pipeline.errors import ConfigError
 
     if name not in table:
         raise ConfigError(f"unknown {kind} {name!r}: expected one of {', '.join(sorted(table))}")
-    module, cls = table[name].split(":")
+    module, cls = table[name].target.split(":")
     return getattr(importlib.import_module(module), cls)

@@ -15,27 +15,14 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from pipeline.config import Config, ConfigError, PROJECT_ROOT
+from pipeline import catalogue
+from pipeline.config import PROJECT_ROOT, Config
+from pipeline.errors import ConfigError
 from pipeline.store import atomic_write_text, read_json, write_json
 
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_REGRESSION, EXIT_RUN_FAILED = 0, 1, 2
-
-# metric -> (section of the variant summary, key, interval key or None)
-METRICS = {
-    "kld_mean": ("drift", "kld_mean", "kld_mean"),
-    "kld_p99": ("drift", "kld_p99", None),
-    "top1_agreement": ("drift", "top1_agreement", "top1_agreement"),
-    "pass_rate": ("drift", "pass_rate", "pass_rate"),
-    "flip_rate": ("drift", "flip_rate", "flip_rate"),
-    "decode_tokens_per_s": ("speed", "decode_tokens_per_s", None),
-    "prefill_tokens_per_s": ("speed", "prefill_tokens_per_s", None),
-    "peak_rss_mb": ("memory", "peak_rss_mb", None),
-    "artifact_bytes": ("memory", "artifact_bytes", None),
-}
-HARDWARE_INDEPENDENT = ("kld_mean", "kld_p99", "top1_agreement", "pass_rate", "flip_rate")
-
 
 def baseline_dir(cfg: Config) -> Path:
     return Path(cfg.paths.results) / cfg.model.name / "baseline" / cfg.run.name
@@ -51,25 +38,27 @@ def load_summary(path: str | Path, what: str) -> dict:
         s = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{what}: {p} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
-    if not isinstance(s, dict) or "variants" not in s or s.get("schema_version") != 1:
-        raise ConfigError(f"{what}: {p} is not a quantdrift summary (expected schema_version 1 with 'variants')")
+    version = s.get("schema_version") if isinstance(s, dict) else None
+    if not isinstance(s, dict) or "variants" not in s or version not in catalogue.READABLE_SCHEMA_VERSIONS:
+        raise ConfigError(f"{what}: {p} is not a quantdrift summary (expected schema_version "
+                          f"{' or '.join(map(str, catalogue.READABLE_SCHEMA_VERSIONS))} with 'variants', "
+                          f"got {version!r})")
+    if version == catalogue.SCHEMA_VERSION:
+        catalogue.validate_summary(s, f"{what} {p}")
     return s
 
 
-def _value(v: dict, metric: str):
-    section, key, _ = METRICS[metric]
-    return (v.get(section) or {}).get(key)
-
-
 def compare_metric(metric: str, new_v: dict, base_v: dict, tol: dict) -> tuple[bool, str]:
-    """(regressed, message) for one metric of one variant."""
-    new, base = _value(new_v, metric), _value(base_v, metric)
+    """(regressed, message) for one metric of one variant. A metric the baseline lacks (an older schema, or not
+    measured then) is not compared; one this run lacks is a regression."""
+    m = catalogue.BY_NAME[metric]
+    new, base = catalogue.value(new_v, metric), catalogue.value(base_v, metric)
     if base is None:
-        return False, "not in the baseline"
+        return False, "not in the baseline (not compared)"
     if new is None:
         return True, f"not measured (baseline {base:.6g})"
-    better = tol.get("better", "lower")
-    worse_by = (new - base) if better == "lower" else (base - new)
+    better = m.better
+    worse_by = m.worse(new, base)
     if "ratio" in tol:
         limit = tol["ratio"] * base
         bad = new < limit if better == "higher" else new > base / max(tol["ratio"], 1e-12)
@@ -78,7 +67,7 @@ def compare_metric(metric: str, new_v: dict, base_v: dict, tol: dict) -> tuple[b
     bad = worse_by > allowed + 1e-12
     note = ""
     if bad and tol.get("interval"):
-        iv = (new_v.get("intervals") or {}).get(METRICS[metric][2] or "")
+        iv = (new_v.get("intervals") or {}).get(m.interval or "")
         if iv:
             # noise never fails a job: the new interval must exclude the baseline on the bad side
             excludes = iv["high"] < base if better == "higher" else iv["low"] > base
@@ -105,7 +94,9 @@ def environment_matches(new: dict, base: dict) -> tuple[bool, str]:
 def regress(new: dict, base: dict, cfg_regress) -> dict:
     """Every variant x metric compared; returns {"cases": [...], "regressions": n, "environment": ...}."""
     same_env, env_note = environment_matches(new, base)
-    metrics = list(METRICS) if (same_env or cfg_regress.compare_all) else list(HARDWARE_INDEPENDENT)
+    judged = [m.name for m in catalogue.METRICS if m.better]
+    metrics = judged if (same_env or cfg_regress.compare_all) else [m for m in judged if
+                                                                    catalogue.BY_NAME[m].hardware_independent]
     cases = []
     for name, base_v in base["variants"].items():
         new_v = new["variants"].get(name)
@@ -122,7 +113,7 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
                 continue
             bad, msg = compare_metric(metric, new_v, base_v, tol)
             cases.append({"variant": name, "metric": metric, "regressed": bad, "message": msg})
-    skipped = [m for m in METRICS if m not in metrics]
+    skipped = [m for m in (cfg_regress.tolerances or {}) if m in judged and m not in metrics]
     return {"cases": cases, "regressions": sum(c["regressed"] for c in cases), "environment": env_note,
             "same_environment": same_env, "skipped_metrics": skipped}
 
@@ -172,11 +163,10 @@ def history_line(summary: dict, result: dict | None) -> dict:
         "commit": _git_commit(), "versions": summary.get("versions"), "hardware": summary.get("hardware"),
         "recommendation": summary["recommendation"].get("variant"),
         "regressions": None if result is None else result["regressions"],
-        "variants": {n: {"status": v["status"], **({"kld_mean": v["drift"]["kld_mean"], "kld_p99": v["drift"]["kld_p99"],
-                                                   "top1_agreement": v["drift"]["top1_agreement"],
-                                                   "pass_rate": v["drift"]["pass_rate"],
-                                                   "decode_tokens_per_s": v["speed"]["decode_tokens_per_s"],
-                                                   "peak_rss_mb": v["memory"]["peak_rss_mb"]} if v["status"] == "ok" else {})}
+        "schema_version": summary.get("schema_version"),
+        # every judged metric of the catalogue (a trend plot reads what it knows)
+        "variants": {n: {"status": v["status"], **({m.name: catalogue.value(v, m.name) for m in catalogue.METRICS
+                                                    if m.better} if v["status"] == "ok" else {})}
                      for n, v in summary["variants"].items()},
     }
 

@@ -11,6 +11,7 @@ import time
 import traceback
 from pathlib import Path
 
+from pipeline.catalogue import SCHEMA_VERSION
 from pipeline.config import Config, ConfigError, VariantConfig
 from pipeline.store import read_json, write_json
 
@@ -74,21 +75,22 @@ def probe_prompt(renderer, suites: dict, n_tokens: int) -> list[int]:
 
 def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict, dict, dict | None]:
     """Parity checks, then the reference transcripts. Returns (references, producer, parity)."""
-    from pipeline.config import Skip
-    from pipeline.quantizers.base import build_artifact
-    from pipeline.reference import F16_VARIANT, build_reference, check_parity, parity_error
+    from pipeline.errors import Skip
+    from pipeline.quantizers import build_artifact
+    from pipeline.reference import build_reference, check_parity, f16_variant, parity_error
 
     parity = None
     f16 = None
+    f16v = f16_variant()
     try:
-        f16 = build_artifact(F16_VARIANT, original, cfg)
+        f16 = build_artifact(f16v, original, cfg)
     except Skip as exc:
         log.warning("no GGUF for this model (%s): the reference is generated on the hf runtime", exc)
         parity = {"ok": False, "skipped": str(exc)}
     if f16 is not None:
         parity = check_parity(cfg, original, f16.path, f16.hash, renderer, suites)
         problem = parity_error(parity)
-        if problem and cfg.variant.quantizer == F16_VARIANT.quantizer:
+        if problem and cfg.variant.quantizer == f16v.quantizer:
             raise ConfigError(problem)
         if problem:
             log.error("parity check failed: %s", problem)
@@ -98,13 +100,14 @@ def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict
                         "tokenizer (%d of %d tokens); every runtime is fed the HF ids, and the deployment path "
                         "measures what a server tokenizing text itself would do", tok["gguf_pre_tokenizer"],
                         tok["diverging_texts"], tok["texts"], tok["diverging_tokens"], tok["hf_tokens"])
-    use_gguf = cfg.reference.runtime == "llamacpp" or (cfg.reference.runtime == "auto" and parity and parity.get("ok"))
-    if cfg.reference.runtime == "llamacpp" and not (parity and parity.get("ok")):
-        raise ConfigError("reference.runtime=llamacpp needs a passing F16 parity check: " + str(parity))
+    use_gguf = cfg.reference.runtime == "gguf_f16" or (cfg.reference.runtime == "auto" and parity and parity.get("ok"))
+    if cfg.reference.runtime == "gguf_f16" and not (parity and parity.get("ok")):
+        raise ConfigError("reference.runtime=gguf_f16 needs a passing F16 parity check: " + str(parity))
     if use_gguf:
-        producer = {"name": "gguf_f16@llamacpp", "variant": F16_VARIANT, "path": f16.path, "hash": f16.hash}
+        producer = {"name": f"{f16v.name}@{f16v.runtime}", "variant": f16v, "path": f16.path, "hash": f16.hash}
     else:
-        producer = {"name": "original@hf", "variant": VariantConfig(name="original"),
+        orig = VariantConfig(name="original")
+        producer = {"name": f"{orig.name}@{orig.runtime}", "variant": orig,
                     "path": original.checkpoint, "hash": original.hash}
     refs = {name: build_reference(cfg, original, renderer, name, convs, producer) for name, convs in suites.items()}
     return refs, producer, parity
@@ -114,13 +117,13 @@ def evaluate_job(cfg: Config) -> dict:
     """Evaluate cfg.variant; always leaves a result file (ok, skipped or failed) for the report."""
     from pipeline.conversation import ChatRenderer
     from pipeline.prepare import prepare
-    from pipeline.config import Skip
-    from pipeline.quantizers.base import build_artifact
+    from pipeline.errors import Skip
+    from pipeline.quantizers import build_artifact
 
     started = time.time()
     variant = cfg.variant
     base = {"variant": variant.name, "runtime": variant.runtime, "quantizer": variant.quantizer,
-            "description": variant.description}
+            "description": variant.description, "schema_version": SCHEMA_VERSION}
     try:
         original = prepare(cfg.model, cfg.model_dir, force=cfg.force)
         from pipeline.roofline import resolve_device, run_bandwidth

@@ -71,29 +71,3 @@ def conversation_intervals(tf: dict, samples: list[dict], seed: int = 0) -> dict
         for i, name in enumerate(("pass_rate", "pass_rate_delta", "flip_rate")):
             out[name] = interval(ci["estimate"][i], ci["low"][i], ci["high"][i], ci["level"], ci["units"])
     return out
-
-
-def pareto_front(points: dict[str, tuple[float, ...]]) -> list[str]:
-    """Names not dominated by any other point; every coordinate is 'lower is better'."""
-    front = []
-    for name, p in points.items():
-        dominated = any(all(q_i <= p_i for q_i, p_i in zip(q, p)) and any(q_i < p_i for q_i, p_i in zip(q, p))
-                        for other, q in points.items() if other != name)
-        if not dominated:
-            front.append(name)
-    return front
-
-
-def dominator(name: str, points: dict[str, tuple[float, ...]]) -> str | None:
-    """A variant that is at least as good on every coordinate and better on one (the best such by the sum of
-    relative improvements), or None."""
-    p = points[name]
-    best, best_gain = None, -1.0
-    for other, q in points.items():
-        if other == name:
-            continue
-        if all(q_i <= p_i for q_i, p_i in zip(q, p)) and any(q_i < p_i for q_i, p_i in zip(q, p)):
-            gain = sum((p_i - q_i) / max(abs(p_i), 1e-12) for q_i, p_i in zip(q, p))
-            if gain > best_gain:
-                best, best_gain = other, gain
-    return best

@@ -86,8 +86,11 @@ def read_jsonl(path: Path) -> list[dict]:
 def library_versions() -> dict[str, str]:
     from importlib import metadata
 
+    from pipeline.backends import libraries
+
     out = {"python": platform.python_version()}
-    for dist in ("torch", "transformers", "llama-cpp-python", "gguf", "gptqmodel", "numpy", "sacrebleu"):
+    # the pipeline's own numerics, then every backend's, as each backend's registry line declares them
+    for dist in ["numpy", "sacrebleu"] + libraries():
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -188,7 +191,7 @@ def _damaged_files(out_dir: Path, files: dict | None) -> list[str]:
 
 def check_free_space(path: Path, need_bytes: float, what: str) -> None:
     """Stop before a long write that cannot fit: names the folder, what is needed and what is free."""
-    from pipeline.config import ConfigError
+    from pipeline.errors import ConfigError
 
     probe = Path(path)
     while not probe.exists() and probe != probe.parent:

@@ -3,9 +3,11 @@
 import numpy as np
 import pytest
 
-from pipeline.aggregate import decide, degenerate, free_running_figures
+from pipeline.aggregate import degenerate, free_running_figures
+from pipeline.decision import decide
 from pipeline.config import DecisionConfig
-from pipeline.stats import bootstrap_ratio, conversation_intervals, dominator, pareto_front
+from pipeline.decision import dominator, pareto_front
+from pipeline.stats import bootstrap_ratio, conversation_intervals
 
 
 def test_bootstrap_resamples_conversations_deterministically():
@@ -71,6 +73,19 @@ def test_decide_explains_every_loser():
     assert none["variant"] is None and none["closest"] == "original" and "decode 20.0 tok/s < 50" in none["summary"]
     mem = decide(variants, DecisionConfig(objective="memory", max_kld_mean=0.5))
     assert mem["variant"] == "drifty"
+
+
+@pytest.mark.parametrize("objective, loser_says", [
+    ("decode_speed", "its decode tok/s (20.0 tok/s) is lower than fast's (80.0 tok/s)"),
+    ("memory", "its peak RSS (900 MB) is higher than fast's (200 MB)"),
+    ("size", "its artifact size (858.3 MiB) is higher than fast's (190.7 MiB)"),
+])
+def test_a_loser_on_the_objective_is_described_in_that_objective_s_direction(objective, loser_says):
+    """A Pareto-front variant that loses on the objective: for memory and size the loser's figure is HIGHER."""
+    variants = {"original": _variant(0.0, 20, 900), "fast": _variant(0.04, 80, 200)}
+    rec = decide(variants, DecisionConfig(objective=objective, max_kld_mean=0.1))
+    assert rec["variant"] == "fast"
+    assert loser_says in rec["reasons"]["original"], rec["reasons"]["original"]
 
 
 @pytest.mark.parametrize("preset", ["default", "latency", "memory"])

@@ -35,7 +35,7 @@ def quantized(tmp_path_factory, tiny_tokenizer_dir):
     pytest.importorskip("gptqmodel")
     from pipeline.config import PROJECT_ROOT
     from pipeline.prepare import prepare
-    from pipeline.quantizers.base import build_artifact
+    from pipeline.quantizers import build_artifact
     from tests.conftest import build_tiny_llama, compose
 
     root = tmp_path_factory.mktemp("gptq")

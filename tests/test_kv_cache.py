@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pipeline.aggregate import cache_element_bytes, capacity_plan, kv_bytes_per_token_formula
+from pipeline.aggregate import capacity_plan, kv_bytes_per_token_formula
 from pipeline.config import ConfigError, load_variant
 from tests.conftest import compose
 
@@ -24,7 +24,10 @@ SMOL = {"layers": 30, "kv_heads": 3, "head_dim": 64, "params": 134_515_008}
     ({"runtime": "hf", "dtype": "float32", "kv_cache": {"bits": 4}}, 30 * 3 * (32 + 32 + 4)),             # 6,120
 ])
 def test_kv_bytes_per_token_formula(info, expected):
-    assert kv_bytes_per_token_formula(SMOL, cache_element_bytes(info, SMOL["head_dim"])) == pytest.approx(expected)
+    from pipeline.runtimes import runtime_class
+
+    element = runtime_class(info["runtime"]).cache_element_bytes(info, SMOL["head_dim"])
+    assert kv_bytes_per_token_formula(SMOL, element) == pytest.approx(expected)
 
 
 def test_uint8_cache_roundtrip_and_bytes():

@@ -35,6 +35,8 @@ GOOD = {"id": "a", "turns": [{"user": "Order 4471 please", "checks": [{"type": "
     (json.dumps({"turns": GOOD["turns"]}), "field 'id'"),
     (json.dumps({"id": "a"}), "field 'turns'"),
     (json.dumps({"id": "a", "turns": [{"usr": "x"}]}), "field 'turns[0].usr'"),
+    (json.dumps({**GOOD, "max_tokens": 5}), "field 'max_tokens': unknown field"),     # SCHEMA.md: rejected, not ignored
+    (json.dumps({"id": "a", "turns": [{"user": "x", "max_tokens": 5}]}), "field 'turns[0].max_tokens': unknown field"),
     (json.dumps({"id": "a", "turns": [{"user": "x", "checks": [{"type": "vibes"}]}]}), "unknown check type 'vibes'"),
     (json.dumps({"id": "a", "turns": [{"user": "x", "checks": [{"type": "regex", "pattern": "("}]}]}),
      "turns[0].checks[0].pattern"),

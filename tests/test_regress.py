@@ -176,3 +176,18 @@ def test_slurm_launcher_config_composes():
                      return_hydra_config=True)
     assert c.hydra.launcher._target_.endswith("SlurmLauncher")
     assert c.hydra.launcher.gpus_per_node == 1 and c.hydra.launcher.partition == "gpu"
+
+
+def test_a_previous_schema_baseline_is_read_and_a_metric_it_lacks_is_not_compared(gate):
+    """Schema 1 baselines are still read; a metric one side lacks is reported as not compared, never as a
+    regression (and a summary of an unknown schema version is refused)."""
+    base = _summary()
+    del base["variants"]["gguf_q8_0"]["drift"]["kld_p99"]
+    code, junit, md = gate(_summary(), base)
+    assert code == 0
+    assert "| gguf_q8_0 | kld_p99 | ok | not in the baseline (not compared) |" in md
+    future = {**_summary(), "schema_version": 99}
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="expected schema_version 1 or 2"):
+        gate(_summary(), future)

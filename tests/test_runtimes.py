@@ -7,8 +7,8 @@ from pipeline import metrics
 from pipeline.aggregate import kv_bytes_per_token_formula
 from pipeline.config import VariantConfig
 from pipeline.prepare import prepare
-from pipeline.quantizers.base import build_artifact
-from pipeline.reference import load_runtime
+from pipeline.quantizers import build_artifact
+from pipeline.runtimes import load_runtime
 
 pytestmark = pytest.mark.slow
 
@@ -55,11 +55,13 @@ def test_both_runtimes_score_the_same_ids_and_f16_matches_the_original(built):
         assert hf_ids == ids, "GGUF vocabulary and HF tokenizer must give the same ids"
         lp = rt.logprobs(ids, positions)
         kld[t] = metrics.kld_full(lp_hf, lp).mean()
-        # gather() returns exactly the log-probs of the requested ids plus the argmax
+        # score() returns exactly the log-probs of the requested ids, the argmax and the log-sum-exp
         cand = np.stack([np.asarray(ids[1:]), np.zeros(len(positions), dtype=np.int64)], axis=1)
-        got, argmax = rt.gather(ids, positions, cand)
-        np.testing.assert_allclose(got[:, 0], lp[np.arange(len(positions)), ids[1:]], rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(argmax, lp.argmax(-1))
+        scores = rt.score(ids, positions, cand)
+        np.testing.assert_allclose(scores.logprobs[:, 0], lp[np.arange(len(positions)), ids[1:]], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(scores.argmax, lp.argmax(-1))
+        logits = rt.logits(ids, positions).astype(np.float64)
+        np.testing.assert_allclose(logits[:, 0] - scores.logsumexp, lp[:, 0], rtol=1e-9, atol=1e-9)
         rt.close()
     assert kld["F16"] < 1e-3, kld
     assert kld["Q8_0"] > kld["F16"] and kld["Q8_0"] > 0

@@ -6,10 +6,15 @@ import abc
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import Config, Skip, VariantConfig  # noqa: F401  (Skip is re-exported for quantizers)
-from pipeline.prepare import Original
+from typing import TYPE_CHECKING
+
+from pipeline.errors import Skip  # noqa: F401  (re-exported for quantizers)
+from pipeline.settings import build_settings
 from pipeline.store import dir_bytes, run_stage
 
+if TYPE_CHECKING:   # annotations only: a backend never imports the config at run time (no import cycle)
+    from pipeline.config import Config, VariantConfig
+    from pipeline.prepare import Original
 
 @dataclass
 class Artifact:
@@ -20,7 +25,21 @@ class Artifact:
     hash: str            # changes whenever the artifact does; downstream stages key on it
 
 
+@dataclass
+class NoSettings:
+    """A quantizer without options."""
+
+
 class Quantizer(abc.ABC):
+    """Turns the original into one artifact. ``Settings``: the dataclass that ``variant.quantize`` must fit,
+    validated when the config loads (``parse_options``), so a misspelt option fails before any stage runs."""
+
+    Settings: type = NoSettings
+
+    @classmethod
+    def parse_options(cls, options: dict, where: str = "variant.quantize"):
+        return build_settings(cls.Settings, options, where)
+
     def __init__(self, variant: VariantConfig, original: Original, cfg: Config):
         self.variant = variant
         self.original = original
@@ -72,9 +91,3 @@ class Passthrough(Quantizer):
         weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
         return Artifact(variant=self.variant.name, path=ckpt, bytes=weights, hash=self.original.hash,
                         info={"format": "hf-safetensors", "dtype": self.original.facts.get("torch_dtype")})
-
-
-def build_artifact(variant: VariantConfig, original: Original, cfg: Config) -> Artifact:
-    from pipeline.quantizers import quantizer_class
-
-    return quantizer_class(variant.quantizer)(variant, original, cfg).run()

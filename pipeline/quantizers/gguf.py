@@ -13,12 +13,18 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from pipeline.config import Config, ConfigError
+from typing import TYPE_CHECKING
+
+from pipeline.errors import ConfigError
 from pipeline.quantizers.base import Quantizer, Skip
 from pipeline.store import run_stage
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +104,23 @@ def quantize_file(src: Path, dst: Path, ftype_name: str, threads: int) -> None:
         raise RuntimeError(f"llama_model_quantize to {ftype_name} failed with code {rc}{hint}")
 
 
+@dataclass
+class GGUFSettings:
+    """variant.quantize for gguf: the llama.cpp file type (F16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0, ...)."""
+
+    type: str
+
+    def __post_init__(self) -> None:
+        from pipeline.settings import require
+
+        require(isinstance(self.type, str) and self.type.replace("_", "").isalnum(), "variant.quantize.type",
+                self.type, "a llama.cpp type name such as Q4_K_M")
+
+
 class GGUFQuantizer(Quantizer):
     """variant.quantize: {type: F16 | Q8_0 | Q6_K | Q5_K_M | Q4_K_M | Q4_0 | ...}."""
+
+    Settings = GGUFSettings
 
     @property
     def gguf_type(self) -> str:

@@ -25,14 +25,16 @@ import sys
 import tempfile
 import time
 from importlib import metadata
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import PROJECT_ROOT, ConfigError
+from pipeline.errors import ConfigError
 from pipeline.quantizers.base import Quantizer, Skip
 from pipeline.store import stable_hash
 
 log = logging.getLogger(__name__)
 
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 GROUP_SIZES = (128, 64, 32)
 DEFAULT_CALIBRATION = {"path": str(PROJECT_ROOT / "prompts" / "calibration.jsonl"), "field": "text",
                        "samples": 64, "seq_len": 256}
@@ -99,7 +101,38 @@ def load_calibration(spec: dict, tokenizer, samples: int, seq_len: int) -> list[
     return out
 
 
+@dataclass
+class GPTQModelSettings:
+    """variant.quantize for gptqmodel (see the module docstring)."""
+
+    method: str = "gptq"
+    bits: int = 4
+    group_size: int | str = "auto"
+    desc_act: bool = False
+    sym: bool | None = None
+    dtype: str | None = None
+    calibration: dict = field(default_factory=dict)
+
+    CALIBRATION_KEYS = ("path", "dataset", "config", "split", "field", "samples", "seq_len")
+
+    def __post_init__(self) -> None:
+        from pipeline.settings import one_of, positive_int, require
+
+        one_of("variant.quantize.method", self.method, ("gptq", "awq"))
+        one_of("variant.quantize.bits", self.bits, (4,) if self.method == "awq" else (2, 3, 4, 8))
+        require(self.group_size == "auto" or (isinstance(self.group_size, int) and self.group_size > 0),
+                "variant.quantize.group_size", self.group_size, "auto or a positive integer")
+        if self.dtype is not None:
+            one_of("variant.quantize.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        for k, v in (self.calibration or {}).items():
+            one_of("variant.quantize.calibration", k, self.CALIBRATION_KEYS)
+            if k in ("samples", "seq_len"):
+                positive_int(f"variant.quantize.calibration.{k}", v)
+
+
 class GPTQModelQuantizer(Quantizer):
+    Settings = GPTQModelSettings
+
     def settings(self) -> dict:
         q = dict(self.variant.quantize)
         method = q.get("method", "gptq")
@@ -177,7 +210,7 @@ def _worker(spec_path: str) -> None:
     from transformers import AutoTokenizer
 
     from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
-    from pipeline.probe import peak_rss_mb
+    from pipeline.memory import peak_rss_mb
 
     spec = json.loads(Path(spec_path).read_text())
     s = spec["settings"]

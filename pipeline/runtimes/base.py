@@ -1,13 +1,53 @@
-"""The runtime interface. Shapes are exact; every runtime is tested against it on a tiny model."""
+"""The runtime interface, in one place. Shapes are exact; every runtime is tested against it on a tiny model.
+
+A runtime loads one artifact (plus KV-cache and runtime settings) and must offer:
+
+- ``generate(prompt_ids, max_new_tokens, stop_ids) -> Generation``: greedy decoding (through ``greedy_decode``),
+  reusing the cache of a previous call whose tokens the new prompt extends (multi-turn); ``reset()`` first for a
+  cold prefill. Deterministic: the same call gives the same ids.
+- ``score(ids, positions, candidates) -> Scores``: teacher-forced, from one pass over ``ids``: the log-probs of
+  the candidate ids after ``ids[p]`` for each p in ``positions``, the argmax id there, and the log-sum-exp of the
+  logits (the normaliser). This is all that drift scoring needs, so an engine that returns only top-k
+  log-probs can implement it.
+
+Optional capabilities, each declared by a class attribute:
+
+- ``full_logits = True`` (``FullLogitsRuntime``): ``logits(ids, positions)`` returns (n, vocab) float32 rows;
+  ``score`` and ``logprobs`` are derived from it. The original's reference distribution (top-K + tail), the
+  F16 parity check and ``quantdrift corpus`` need it.
+- ``own_tokenizer = True``: ``tokenize_served``/``detokenize_served``, the tokenizer a server on this runtime
+  applies to chat text (the deployment path).
+
+A backend owns its options: ``Settings`` (a dataclass validated when the config loads, so a misspelt option
+fails in the first second), the KV-cache translation (``apply_kv_cache``), what its stage keys depend on
+(``key_settings``) and how its cache is sized (``cache_element_bytes``, ``kv_cache_label``).
+"""
 
 from __future__ import annotations
 
 import abc
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.config import KVCacheConfig, RuntimeConfig
+
+
+@dataclass
+class NoSettings:
+    """A backend without options of its own."""
+
+
+@dataclass
+class Scores:
+    """``Runtime.score`` output for n positions and K candidates per position."""
+
+    logprobs: np.ndarray     # float64 (n, K): log p(candidates[i, k] | ids[: positions[i] + 1])
+    argmax: np.ndarray       # int64 (n,): the most likely next id at each position
+    logsumexp: np.ndarray    # float64 (n,): log of the sum of exp(logits) over the vocabulary
 
 
 @dataclass
@@ -48,25 +88,55 @@ class Runtime(abc.ABC):
 
     name: str = ""
     info: dict
+    Settings: type = NoSettings      # the variant's runtime_options, validated when the config loads
+    full_logits: bool = False
     # True when the runtime has a tokenizer of its own that a server built on it applies to chat text (llama.cpp's
     # GGUF vocabulary); then ``tokenize_served``/``detokenize_served`` exist and the deployment path is measured.
     own_tokenizer: bool = False
 
+    # ------------------------------------------------------------------ options (class level, no model loaded)
+    @classmethod
+    def parse_options(cls, options: dict, where: str = "variant.runtime_options"):
+        from pipeline.settings import build_settings
+
+        return build_settings(cls.Settings, {k: v for k, v in (options or {}).items() if k != "n_ctx"}, where)
+
+    @classmethod
+    def apply_kv_cache(cls, options: dict, kv: "KVCacheConfig") -> tuple[dict, str]:
+        """The runtime options with a quantized KV-cache setting folded in, and the variant-name suffix for it."""
+        from pipeline.errors import Skip
+
+        raise Skip(f"runtime {cls.name!r} has no quantized KV cache")
+
+    @classmethod
+    def kv_cache_applied(cls, options: dict) -> bool:
+        """Whether ``options`` already hold a quantized KV-cache setting."""
+        return False
+
+    @classmethod
+    def key_settings(cls, rcfg: "RuntimeConfig") -> dict:
+        """Run-wide runtime settings that change this runtime's numbers (stage keys include them)."""
+        return {}
+
+    @classmethod
+    def cache_element_bytes(cls, info: dict, head_dim: int) -> float:
+        """Mean bytes per cached K/V element for the cache described by ``info`` (the runtime's ``info``)."""
+        return {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}.get(info.get("dtype", "float32"), 4.0)
+
+    @classmethod
+    def kv_cache_label(cls, info: dict) -> str | None:
+        return info.get("dtype")
+
+    # ------------------------------------------------------------------ the interface
     @abc.abstractmethod
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> Generation:
         """Greedy decoding from ``prompt_ids`` (via ``greedy_decode``). A prompt that extends the previous call's
         tokens reuses their cache (multi-turn); ``reset()`` first for a cold prefill (timing probes)."""
 
     @abc.abstractmethod
-    def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-        """Teacher-forced next-token logits after ``ids[p]`` for each p in ``positions``, from ONE forward pass
-        over ``ids``: float32 array of shape (len(positions), vocab_size)."""
-
-    def logprobs(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-        """Like ``logits`` but log-softmax normalised: float64 (len(positions), vocab_size)."""
-        from pipeline.metrics import log_softmax
-
-        return log_softmax(self.logits(ids, positions))
+    def score(self, ids: Sequence[int], positions: Sequence[int], candidates: np.ndarray) -> Scores:
+        """Teacher-forced log-probs of ``candidates`` (int (len(positions), K)) after ``ids[p]`` for each p in
+        ``positions``, from one pass over ``ids``; see ``Scores``."""
 
     def tokenize_served(self, text: str) -> list[int]:
         """The ids a server on this runtime sends the model for a rendered prompt ``text`` (its own tokenizer,
@@ -87,22 +157,46 @@ class Runtime(abc.ABC):
     def close(self) -> None:
         pass
 
-    def gather(self, ids: Sequence[int], positions: Sequence[int], candidates: np.ndarray,
-               chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
-        """Log-probs of chosen ids at chosen positions, and the argmax id at each position.
 
-        ``candidates``: int (len(positions), K). Returns (float64 (len(positions), K), int64 (len(positions),)).
-        One forward pass; the log-softmax runs in chunks of positions to bound float64 temporaries.
-        """
+class FullLogitsRuntime(Runtime):
+    """A runtime that can return full-vocabulary logits; ``score`` and ``logprobs`` are derived from them."""
+
+    full_logits = True
+
+    @abc.abstractmethod
+    def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """Teacher-forced next-token logits after ``ids[p]`` for each p in ``positions``, from ONE forward pass
+        over ``ids``: float32 array of shape (len(positions), vocab_size)."""
+
+    def logprobs(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """Like ``logits`` but log-softmax normalised: float64 (len(positions), vocab_size)."""
         from pipeline.metrics import log_softmax
 
+        return log_softmax(self.logits(ids, positions))
+
+    def score(self, ids: Sequence[int], positions: Sequence[int], candidates: np.ndarray,
+              chunk: int = 256) -> Scores:
+        """One forward pass; the log-softmax runs in chunks of positions to bound float64 temporaries."""
         candidates = np.asarray(candidates, dtype=np.int64)
         logits = self.logits(ids, positions)
         out = np.empty(candidates.shape, dtype=np.float64)
         argmax = np.empty(len(candidates), dtype=np.int64)
+        lse = np.empty(len(candidates), dtype=np.float64)
         for start in range(0, len(candidates), chunk):
             sel = slice(start, start + chunk)
-            lp = log_softmax(logits[sel])
-            out[sel] = np.take_along_axis(lp, candidates[sel], axis=-1)
+            z = logits[sel].astype(np.float64)
+            m = z.max(axis=-1, keepdims=True)
+            z -= m
+            log_sum = np.log(np.exp(z).sum(axis=-1, keepdims=True))   # as metrics.log_softmax, term for term
+            out[sel] = np.take_along_axis(z, candidates[sel], axis=-1) - log_sum
+            lse[sel] = (m + log_sum)[:, 0]
             argmax[sel] = logits[sel].argmax(axis=-1)
-        return out, argmax
+        return Scores(logprobs=out, argmax=argmax, logsumexp=lse)
+
+
+def require_full_logits(runtime: Runtime, why: str) -> FullLogitsRuntime:
+    if not runtime.full_logits:
+        from pipeline.errors import ConfigError
+
+        raise ConfigError(f"runtime {runtime.name!r} returns no full-vocabulary logits, which {why} needs")
+    return runtime  # type: ignore[return-value]

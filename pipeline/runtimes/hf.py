@@ -3,19 +3,39 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-import torch
+import functools
 
-from pipeline.config import ConfigError, RuntimeConfig, Skip
-from pipeline.runtimes.base import Generation, Runtime, greedy_decode
+import numpy as np
+
+from typing import TYPE_CHECKING
+
+from pipeline.errors import ConfigError, Skip
+from pipeline.runtimes.base import FullLogitsRuntime, Generation, greedy_decode
+
+if TYPE_CHECKING:
+    from pipeline.config import RuntimeConfig
 
 log = logging.getLogger(__name__)
 
 
+def _inference_mode(fn):
+    """torch.inference_mode() without importing torch when this module is (the config validates settings)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import torch
+
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
 def resolve_device(requested: str) -> str:
+    import torch
+
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested.startswith("cuda"):
@@ -28,10 +48,58 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-class HFRuntime(Runtime):
+@dataclass
+class HFSettings:
+    """variant.runtime_options for hf."""
+
+    dtype: str | None = None            # None: float32 on a CPU, bfloat16 on CUDA
+    kv_cache: dict | None = None        # {bits, residual_length, score_chunk}: the integer KV cache (kv_quant)
+    # GPTQ/AWQ free-running: 'dequantized' (the exact dequantized weights as an F16 GGUF on llama.cpp, after a
+    # check against the kernel) or 'kernel'
+    free_running: str | None = None
+
+    def __post_init__(self) -> None:
+        from pipeline.settings import one_of, positive_int
+
+        if self.dtype is not None:
+            one_of("variant.runtime_options.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.free_running is not None:
+            one_of("variant.runtime_options.free_running", self.free_running, ("dequantized", "kernel"))
+        if self.kv_cache is not None:
+            for k, v in self.kv_cache.items():
+                one_of("variant.runtime_options.kv_cache", k, ("bits", "residual_length", "score_chunk"))
+                positive_int(f"variant.runtime_options.kv_cache.{k}", v)
+
+
+class HFRuntime(FullLogitsRuntime):
     name = "hf"
+    Settings = HFSettings
+
+    @classmethod
+    def apply_kv_cache(cls, options: dict, kv) -> tuple[dict, str]:
+        cache = {"bits": kv.bits, "residual_length": kv.residual_length, "score_chunk": kv.score_chunk}
+        return {**options, "kv_cache": cache}, f"kv_int{kv.bits}"
+
+    @classmethod
+    def kv_cache_applied(cls, options: dict) -> bool:
+        return "kv_cache" in options
+
+    @classmethod
+    def cache_element_bytes(cls, info: dict, head_dim: int) -> float:
+        """The integer cache (KIVI layout): K codes are bits/8 bytes per element with per-channel scales (a fixed
+        cost per sequence, not per token); V codes are bits/8 plus an fp16 scale and zero point per token and head,
+        i.e. 4 / head_dim bytes per element. Averaged over K and V: bits/8 + 2/head_dim."""
+        kv = info.get("kv_cache")
+        if kv:
+            return kv["bits"] / 8 + 2 / head_dim
+        return super().cache_element_bytes(info, head_dim)
+
+    @classmethod
+    def kv_cache_label(cls, info: dict) -> str | None:
+        return f"int{info['kv_cache']['bits']}" if info.get("kv_cache") else info.get("dtype")
 
     def __init__(self, artifact: Path, options: dict, rcfg: RuntimeConfig, trust_remote_code: bool = False):
+        import torch
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(rcfg.device)
@@ -63,13 +131,24 @@ class HFRuntime(Runtime):
             self.info["kv_cache"] = {**self.kv, "layout": "KIVI: keys per channel, values per token, fp16 scales"}
 
     def _kernel_name(self) -> str:
-        """The linear-layer implementation actually used (GPTQ/AWQ kernels name themselves here)."""
-        quantized = {type(m).__name__ for m in self.model.modules() if hasattr(m, "qweight")}
-        if quantized:
-            return ",".join(sorted(quantized))
-        return f"torch.nn.Linear ({str(self.dtype).replace('torch.', '')})"
+        """The linear-layer implementations actually used: every leaf module class inside the decoder layers that
+        does a matmul with its own weights (a torch.nn.Linear, a GPTQ/AWQ QuantLinear with packed ``qweight``, a
+        compressed-tensors layer, ...), not only those that name a ``qweight``."""
+        import torch
+
+        kinds = set()
+        for name, m in self.model.named_modules():
+            if ".layers." not in f".{name}." or any(True for _ in m.children()):
+                continue
+            if type(m) is torch.nn.Linear:
+                kinds.add(f"torch.nn.Linear ({str(self.dtype).replace('torch.', '')})")
+            elif "linear" in type(m).__name__.lower() or hasattr(m, "qweight"):
+                kinds.add(type(m).__name__)
+        return ",".join(sorted(kinds)) or f"torch.nn.Linear ({str(self.dtype).replace('torch.', '')})"
 
     def _sync(self) -> None:
+        import torch
+
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 
@@ -86,8 +165,10 @@ class HFRuntime(Runtime):
 
         return DynamicCache(config=self.model.config)
 
-    @torch.inference_mode()
+    @_inference_mode
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> Generation:
+        import torch
+
         prompt = list(prompt_ids)
         reuse = 0
         if self._cache is not None and len(self._cache_ids) < len(prompt) and prompt[:len(self._cache_ids)] == self._cache_ids:
@@ -109,8 +190,10 @@ class HFRuntime(Runtime):
         return Generation(ids=ids, stop=stop, prompt_tokens=len(prompt), prefill_tokens=len(prompt) - reuse,
                           ttft_s=ttft, decode_times_s=times)
 
-    @torch.inference_mode()
+    @_inference_mode
     def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        import torch
+
         if self.kv:
             return self._logits_through_cache(list(ids), list(positions))
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
@@ -124,6 +207,8 @@ class HFRuntime(Runtime):
         unscored tokens (a prompt) is one prefill chunk, like the prefill it is in free-running; scored stretches
         (replies) are fed ``score_chunk`` tokens at a time, each chunk attending to the quantized past plus the
         full-precision residual window and itself, as decode steps do."""
+        import torch
+
         wanted = sorted(set(positions))
         chunks: list[tuple[int, int]] = []
         cursor, i = 0, 0
@@ -154,6 +239,8 @@ class HFRuntime(Runtime):
 
     def kv_cache_bytes(self) -> dict | None:
         """Bytes held by the live cache's key/value tensors, measured on the tensors themselves."""
+        import torch
+
         if self._cache is None or not self._cache_ids:
             return None
         if self.kv:

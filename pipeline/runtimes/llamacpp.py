@@ -6,18 +6,44 @@ import contextlib
 import io
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from pipeline.config import ConfigError, RuntimeConfig, Skip
-from pipeline.runtimes.base import Generation, Runtime, greedy_decode
+from typing import TYPE_CHECKING
+
+from pipeline.errors import ConfigError, Skip
+from pipeline.runtimes.base import FullLogitsRuntime, Generation, greedy_decode
+
+if TYPE_CHECKING:
+    from pipeline.config import RuntimeConfig
 
 log = logging.getLogger(__name__)
 
 _KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells")
 _CACHE_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0", "f32": "GGML_TYPE_F32"}
+# Bytes per cached element: block types count their per-block fp16 scale (q8_0: 32 int8 + 2 bytes).
+_CACHE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+# kv_cache.bits -> the llama.cpp cache type
+_KV_BITS = {8: "q8_0", 4: "q4_0"}
+
+
+@dataclass
+class LlamaCppSettings:
+    """variant.runtime_options for llamacpp."""
+
+    flash_attn: bool | None = None      # None: runtime.flash_attn (on for every variant by default)
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+
+    def __post_init__(self) -> None:
+        from pipeline.settings import one_of
+
+        for side in ("k", "v"):
+            one_of(f"variant.runtime_options.cache_type_{side}", getattr(self, f"cache_type_{side}"),
+                   tuple(_CACHE_TYPES))
 
 
 def gguf_file(artifact: Path) -> Path:
@@ -36,11 +62,34 @@ def cuda_supported() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
-class LlamaCppRuntime(Runtime):
-    """Options (variant.runtime_options): n_ctx, flash_attn, cache_type_k/v."""
+class LlamaCppRuntime(FullLogitsRuntime):
+    """Options (variant.runtime_options): flash_attn, cache_type_k/v (LlamaCppSettings); callers add n_ctx."""
 
     name = "llamacpp"
+    Settings = LlamaCppSettings
     own_tokenizer = True
+
+    @classmethod
+    def apply_kv_cache(cls, options: dict, kv) -> tuple[dict, str]:
+        kind = _KV_BITS[kv.bits]
+        # llama.cpp requires flash attention for a quantized V cache
+        return {**options, "cache_type_k": kind, "cache_type_v": kind, "flash_attn": True}, f"kv_{kind}"
+
+    @classmethod
+    def kv_cache_applied(cls, options: dict) -> bool:
+        return options.get("cache_type_k", "f16") != "f16" or options.get("cache_type_v", "f16") != "f16"
+
+    @classmethod
+    def key_settings(cls, rcfg) -> dict:
+        return {"flash_attn": rcfg.flash_attn}
+
+    @classmethod
+    def cache_element_bytes(cls, info: dict, head_dim: int) -> float:
+        return (_CACHE_BYTES[info.get("cache_type_k", "f16")] + _CACHE_BYTES[info.get("cache_type_v", "f16")]) / 2
+
+    @classmethod
+    def kv_cache_label(cls, info: dict) -> str | None:
+        return info.get("cache_type_k")
 
     def __init__(self, artifact: Path, options: dict, rcfg: RuntimeConfig, trust_remote_code: bool = False):
         import llama_cpp
@@ -51,7 +100,7 @@ class LlamaCppRuntime(Runtime):
                               "rebuild it with CMAKE_ARGS=-DGGML_CUDA=on (make setup TORCH=cuda)")
         use_gpu = rcfg.device.startswith("cuda") or (rcfg.device == "auto" and cuda_supported())
         self.n_ctx = int(options.get("n_ctx", 2048))
-        flash = bool(options.get("flash_attn", rcfg.flash_attn))
+        flash = bool(rcfg.flash_attn if options.get("flash_attn") is None else options["flash_attn"])
         kwargs = {}
         for side in ("k", "v"):
             kind = options.get(f"cache_type_{side}", "f16")

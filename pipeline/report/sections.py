@@ -1,63 +1,16 @@
-"""Stage 5, report: summary.json (versioned), report.md, report.html (self-contained), plots, samples.jsonl.
+"""The report's content, independent of its format: the tables and the sections that report.md and report.html
+both render, with the shared cell formatting (``_fmt``, ``_ci``, ``_md_escape``).
 
-Rebuilt from the per-variant result files alone (``make report``): nothing is recomputed.
+The report is a list of sections; each is (id, title, blocks) and a block is a paragraph (str), a table
+(head, rows), a bullet list (list of str) or a plot ({"plot": name, "file": png}).
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import io
-import logging
-import time
-from pathlib import Path
+from pipeline.catalogue import BY_NAME, Metric, value
 
-from pipeline.aggregate import SCHEMA_VERSION, capacity_plan, decide, variant_summary
-from pipeline.config import Config
-from pipeline.run import load_result
-from pipeline.store import atomic_write_bytes, atomic_write_text, dumps, hardware, library_versions, read_jsonl, write_json
-
-log = logging.getLogger(__name__)
-
-
-def build_summary(cfg: Config) -> dict:
-    names = cfg.run.variants or [cfg.variant.name]
-    results = {}
-    for name in names:
-        r = load_result(cfg, name)
-        results[name] = r or {"status": "skipped", "reason": "not evaluated in this run (no result file)"}
-    from pipeline.roofline import load_bandwidth, resolve_device, run_bandwidth
-
-    bandwidth = load_bandwidth(cfg)
-    if bandwidth is None and any(r.get("status") == "ok" for r in results.values()):
-        bandwidth = run_bandwidth(cfg, resolve_device(cfg.runtime.device))   # a run from before bandwidth existed
-    variants = {name: variant_summary(r, bandwidth, cfg.decision.degeneration, cfg.seed)
-                for name, r in results.items()}
-    ok = [r for r in results.values() if r.get("status") == "ok"]
-    first = ok[0] if ok else {}
-    facts = (first.get("model") or {}).get("facts", {})
-    for v in variants.values():
-        if v["status"] == "ok":
-            v["capacity"] = capacity_plan(v, facts, cfg.capacity)
-    origin = facts.get("origin", "")
-    summary = {
-        "schema_version": SCHEMA_VERSION,
-        "created_unix": time.time(),
-        "run": {"name": cfg.run.name, "profile": cfg.profile.name, "suites": cfg.run.suites,
-                "threads": cfg.runtime.n_threads, "device": cfg.runtime.device},
-        "model": {"name": cfg.model.name, "source": cfg.model.source, "origin": origin,
-                  **{k: v for k, v in facts.items() if k != "chat_template"}},
-        "reference": {"runtime": (first.get("reference") or {}).get("producer"),
-                      "top_k": cfg.reference.top_k, "parity": first.get("parity")},
-        "variants": variants,
-        "recommendation": decide(variants, cfg.decision),
-        "decision_config": cfg.decision.__dict__,
-        "capacity": cfg.capacity.__dict__,
-        "bandwidth": bandwidth,
-        "versions": library_versions(),
-        "hardware": hardware(),
-    }
-    return summary
+# Units a label may already carry in short form: "decode tok/s" needs no " tokens/s".
+_UNIT_SHORT = {"tokens/s": "tok/s"}
 
 
 def _fmt(x, spec: str, none: str = "–") -> str:
@@ -76,21 +29,45 @@ def _ci(iv: dict | None, spec: str, scale: float = 1.0) -> str:
             f"{format(iv['high'] * scale, spec)}]")
 
 
+def metric_head(m: Metric, interval: bool = False) -> str:
+    """A column head from the catalogue: its label, its unit where the label does not already say it, and
+    ``[CI]`` for a column that shows the 95 % interval."""
+    unit = m.display_unit or _UNIT_SHORT.get(m.unit, m.unit)
+    head = m.label if not unit or unit in m.label else f"{m.label} {unit}"
+    return head + (" [CI]" if interval else "")
+
+
+def metric_cell(variant: dict, m: Metric) -> str:
+    """A catalogue metric of a variant in the catalogue's format, with its 95 % interval where it has one."""
+    if m.interval:
+        return _ci((variant.get("intervals") or {}).get(m.interval), m.fmt, m.display_scale)
+    x = value(variant, m.name)
+    if m.integer and isinstance(x, float) and x.is_integer():
+        x = int(x)
+    return _fmt(x if x is None or m.display_scale == 1 else x * m.display_scale, m.fmt)
+
+
+# The accuracy table's catalogue columns, in order (the others are free-running counts, not catalogue metrics).
+_MAIN_METRICS = ("kld_mean", "kld_p99", "top1_agreement", "delta_nll", "pass_rate")
+_SPEED_METRICS = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s")
+_MEMORY_METRICS = ("artifact_bytes", "peak_rss_mb")
+
+
 def main_table(summary: dict) -> tuple[list[str], list[list[str]]]:
-    """Accuracy and drift, every difference with its 95 % interval."""
-    head = ["variant", "status", "mean KLD [95% CI]", "p99 KLD", "top-1 agree [CI]", "ΔNLL [CI]", "pass [CI]",
-            "Δpass vs original [CI]", "flips p→f / f→p", "McNemar p", "chrF", "degenerate"]
+    """Accuracy and drift, every difference with its 95 % interval; labels and formats from the catalogue."""
+    ms = [BY_NAME[n] for n in _MAIN_METRICS]
+    pass_rate = BY_NAME["pass_rate"]
+    head = (["variant", "status"] + [metric_head(m, bool(m.interval)) for m in ms]
+            + [f"Δ{pass_rate.label} vs original [CI]", "flips p→f / f→p", "McNemar p", "chrF", "degenerate"])
     rows = []
     for name, v in summary["variants"].items():
         if v["status"] != "ok":
             rows.append([name, v["status"]] + [""] * (len(head) - 2))
             continue
-        d, fr, iv = v["drift"], v["free_running"], v.get("intervals") or {}
-        rows.append([
-            name, "ok",
-            _ci(iv.get("kld_mean"), ".4f"), _fmt(d["kld_p99"], ".3f"), _ci(iv.get("top1_agreement"), ".1f", 100),
-            _ci(iv.get("delta_nll"), "+.3f"), _ci(iv.get("pass_rate"), ".0f", 100),
-            _ci(iv.get("pass_rate_delta"), "+.0f", 100), f"{fr['pass_to_fail']} / {fr['fail_to_pass']} of {fr['checks']}",
+        fr, iv = v["free_running"], v.get("intervals") or {}
+        rows.append([name, "ok"] + [metric_cell(v, m) for m in ms] + [
+            _ci(iv.get("pass_rate_delta"), "+" + pass_rate.fmt.lstrip("+")),
+            f"{fr['pass_to_fail']} / {fr['fail_to_pass']} of {fr['checks']}",
             _fmt(fr["mcnemar_p"], ".2f"), _fmt(fr["chrf_mean"], ".1f"),
             f"{fr.get('degenerate_replies', 0)}/{fr['replies']}",
         ])
@@ -98,21 +75,23 @@ def main_table(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def speed_table(summary: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["variant", "TTFT s", "prefill tok/s", "decode tok/s", "ITL p50 ms", "ITL p99 ms", "bytes/token MiB",
-            "BW share", "decode ceiling tok/s", "artifact MiB", "peak RSS MB", "KV cache", "KV B/token"]
+    """Speed, roofline and memory; catalogue metrics with the catalogue's labels and formats."""
+    speed = [BY_NAME[n] for n in _SPEED_METRICS]
+    memory = [BY_NAME[n] for n in _MEMORY_METRICS]
+    kv = BY_NAME["kv_bytes_per_token"]
+    head = (["variant"] + [metric_head(m) for m in speed]
+            + ["bytes/token MiB", "BW share", "decode ceiling tok/s"]
+            + [metric_head(m) for m in memory] + ["KV cache", metric_head(kv)])
     rows = []
     for name, v in summary["variants"].items():
         if v["status"] != "ok":
             continue
         s, m, rf = v["speed"], v["memory"], v.get("roofline") or {}
-        rows.append([
-            name + (" (noisy)" if s.get("noisy") else ""), _fmt(s["ttft_s"], ".3f"), _fmt(s["prefill_tokens_per_s"], ".0f"),
-            _fmt(s["decode_tokens_per_s"], ".1f"), _fmt(s["itl_p50_s"] and s["itl_p50_s"] * 1000, ".1f"),
-            _fmt(s["itl_p99_s"] and s["itl_p99_s"] * 1000, ".1f"),
+        rows.append([name + (" (noisy)" if s.get("noisy") else "")] + [metric_cell(v, x) for x in speed] + [
             _fmt(rf.get("bytes_per_token") and rf["bytes_per_token"] / 2**20, ".1f"), _fmt(rf.get("share"), ".0%"),
-            _fmt(rf.get("ceiling_tokens_per_s"), ".0f"), _fmt(m["artifact_bytes"] / 2**20, ".1f"),
-            _fmt(m["peak_rss_mb"], ".0f"), str(m.get("kv_cache") or ""),
-            _fmt(m["kv_bytes_per_token"], ".0f") + ("" if not m["kv_gap_flagged"] else " ⚠"),
+            _fmt(rf.get("ceiling_tokens_per_s"), ".0f")] + [metric_cell(v, x) for x in memory] + [
+            str(m.get("kv_cache") or ""),
+            metric_cell(v, kv) + ("" if not m["kv_gap_flagged"] else " ⚠"),
         ])
     return head, rows
 
@@ -131,15 +110,7 @@ def suite_flip_table(summary: dict) -> tuple[list[str], list[list[str]]] | None:
             "exact McNemar p"], rows
 
 
-def _md_table(head: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(_md_escape(c) for c in r) + " |" for r in rows]
-    return "\n".join(out)
-
-
 # ------------------------------------------------------------------------------------------ sections
-# The report is a list of sections; each is (id, title, blocks) and a block is a paragraph (str), a table
-# (head, rows) or a bullet list (list of str). report.md and report.html render the same sections.
 
 def _decision_section(summary: dict) -> tuple:
     rec = summary["recommendation"]
@@ -221,10 +192,18 @@ def _capacity_section(summary: dict, ok: dict) -> tuple | None:
     return ("capacity", "KV cache and capacity", blocks)
 
 
-def _multi_turn_keys(ok: dict) -> list[str]:
-    """'multi_turn:N' turn keys present in any variant, in turn order."""
-    return sorted({t for v in ok.values() for t in v["drift_detail"]["kld_by_turn"] if t.startswith("multi_turn:")},
-                  key=lambda t: int(t.split(":")[1]))
+def multi_turn_suites(ok: dict) -> dict[str, list[str]]:
+    """The multi-turn suites and their turn keys (``"SUITE:N"``, N from 1), in turn order.
+
+    Decided from the data: a suite is multi-turn when some variant has a ``kld_by_turn`` key for its turn 2 or
+    later, whatever the suite is called. Suites in the order they first appear; every turn any variant has."""
+    turns: dict[str, set[int]] = {}
+    for v in ok.values():
+        for key in ((v.get("drift_detail") or {}).get("kld_by_turn") or {}):
+            suite, _, n = key.rpartition(":")
+            if suite and n.isdigit():
+                turns.setdefault(suite, set()).add(int(n))
+    return {s: [f"{s}:{n}" for n in sorted(ns)] for s, ns in turns.items() if max(ns) >= 2}
 
 
 def _drift_sections(ok: dict) -> list[tuple]:
@@ -235,12 +214,15 @@ def _drift_sections(ok: dict) -> list[tuple]:
         rows = [[n] + [_fmt(v["drift_detail"]["kld_by_position"].get(b, {}).get("mean"), ".4f") for b in buckets]
                 for n, v in ok.items()]
         out.append(("by-position", "Drift by output position (mean KLD)", [(["variant"] + buckets, rows)]))
-    turns = _multi_turn_keys(ok)
-    if turns:
-        rows = [[n] + [_fmt(v["drift_detail"]["kld_by_turn"].get(t, {}).get("mean"), ".4f") for t in turns]
-                for n, v in ok.items()]
-        out.append(("by-turn", "Multi-turn drift by turn (mean KLD)",
-                    [(["variant"] + [t.split(":")[1] for t in turns], rows)]))
+    suites = multi_turn_suites(ok)
+    if suites:
+        blocks: list = []
+        for suite, turns in suites.items():      # one table per multi-turn suite: columns are its turns
+            rows = [[n] + [_fmt(v["drift_detail"]["kld_by_turn"].get(t, {}).get("mean"), ".4f") for t in turns]
+                    for n, v in ok.items()]
+            blocks += [f"Suite `{_md_escape(suite)}`, by turn:", (["variant"] + [t.rpartition(":")[2] for t in turns],
+                                                                   rows)]
+        out.append(("by-turn", "Multi-turn drift by turn (mean KLD)", blocks))
     return out
 
 
@@ -265,6 +247,13 @@ def _model_section(summary: dict) -> tuple:
                      f"{'PASS' if parity['ok'] else 'FAIL: GGUF variants are not measured'}.")
         if parity.get("tokenizer"):
             items.append(_tokenizer_line(parity["tokenizer"]))
+    repair = m.get("tokenizer_repair")
+    if repair:
+        items.append(f"Tokenizer repaired at prepare: transformers rebuilt this GGUF's tokenizer with a plain "
+                     f"ByteLevel pre-tokenizer, ignoring its `tokenizer.ggml.pre` = "
+                     f"`{_md_escape(repair['gguf_pre_tokenizer'])}`, so a whitespace run before a digit split "
+                     "differently from llama.cpp (`\\n\\n1.`: `\\n`, `\\n`, `1` against `\\n\\n`, `1`); the original's "
+                     f"tokenizer was given {_md_escape(repair['to'])}, the model's own.")
     return ("model", "Model and reference", [items])
 
 
@@ -392,261 +381,3 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
         "Samples: `samples.jsonl` beside this file (one line per variant × conversation turn)."]))
     return sections
 
-
-def render_markdown(summary: dict, plots: dict[str, str]) -> str:
-    lines = [f"# quantdrift report: {summary['model']['name']} ({summary['run']['profile']} profile)", ""]
-    for _, title, blocks in report_sections(summary, plots):
-        lines += [f"## {title}", ""]
-        for b in blocks:
-            if isinstance(b, dict):
-                lines += [f"![{b['plot']}]({b['file']})", ""]
-            elif isinstance(b, tuple):
-                lines += [_md_table(*b), ""]
-            elif isinstance(b, list):
-                lines += [f"- {_md_inline(x)}" for x in b] + [""]
-            else:
-                lines += [_md_inline(b), ""]
-    return "\n".join(lines)
-
-
-def _md_inline(text: str) -> str:
-    """Prose we wrote may use **bold** and `code`; model and user text inside it is escaped."""
-    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace("\n", " ")
-
-
-def _trend_plot(plt, history: list[dict], summary: dict, out_dir: Path) -> str | None:
-    """Key metrics of this model and run over the nightly history (results/history.jsonl)."""
-    rows = [h for h in history if h.get("model") == summary["model"]["name"] and h.get("run") == summary["run"]["name"]]
-    if len(rows) < 2:
-        return None
-    names = sorted({n for h in rows for n, v in h["variants"].items() if v.get("status") == "ok"})
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for n in names:
-        pts = [(i, h["variants"][n]) for i, h in enumerate(rows) if h["variants"].get(n, {}).get("status") == "ok"]
-        if n != "original":
-            ax1.plot([i for i, _ in pts], [max(v["kld_mean"] or 0, 1e-7) for _, v in pts], marker="o", label=n)
-        ax2.plot([i for i, _ in pts], [v["decode_tokens_per_s"] or 0 for _, v in pts], marker="o", label=n)
-    labels = [h["time"][:10] + (f"\n{h['commit'][:7]}" if h.get("commit") else "") for h in rows]
-    for ax, title in ((ax1, "mean KLD over runs (log)"), (ax2, "decode tokens/s over runs")):
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    ax1.set_yscale("log")
-    ax2.legend(fontsize=7)
-    _save(fig, out_dir / "trend.png")
-    return "trend.png"
-
-
-def _kld_lines(plt, series: dict[str, list[tuple[int, float]]], xlabel: str, ylabel: str, title: str,
-               legend_size: int, path: Path) -> None:
-    """One log-scale KLD line per variant (points (x, mean KLD); empty series are left out)."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for n, pts in series.items():
-        if pts:
-            ax.plot([x for x, _ in pts], [max(y, 1e-7) for _, y in pts], marker="o", label=n)
-    ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=legend_size)
-    _save(fig, path)
-
-
-def make_plots(summary: dict, out_dir: Path, history: list[dict] | None = None) -> dict[str, str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = {n: v for n, v in summary["variants"].items() if v["status"] == "ok"}
-    plots: dict[str, str] = {}
-    if not ok:
-        return plots
-    front = set(summary["recommendation"].get("pareto_front") or [])
-    chosen = summary["recommendation"].get("variant")
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for n, v in ok.items():
-        x, y = v["speed"]["decode_tokens_per_s"], v["drift"]["kld_mean"]
-        if x is None or y is None:
-            continue
-        y = max(y, 1e-7)
-        size = max(20.0, (v["memory"]["peak_rss_mb"] or 100) / 4)
-        iv = (v.get("intervals") or {}).get("kld_mean")
-        if iv and n != "original":
-            ax.errorbar([x], [y], yerr=[[max(y - max(iv["low"], 1e-7), 0)], [max(iv["high"] - y, 0)]], fmt="none",
-                        ecolor="#999", elinewidth=1, capsize=2)
-        ax.scatter([x], [y], s=size, alpha=0.75 if n in front else 0.3, edgecolors="k" if n == chosen else "none",
-                   linewidths=2, color="#2a7" if n in front else "#888")
-        ax.annotate(n + (" (ship)" if n == chosen else ""), (x, y), fontsize=8, xytext=(4, 4),
-                    textcoords="offset points")
-    ax.set_yscale("log")
-    ax.set_xlabel("decode tokens/s (higher is better)")
-    ax.set_ylabel("mean KLD vs original, nats (log; lower is better)")
-    ax.set_title("Drift vs decode speed (green: Pareto front; marker size: peak RSS; bars: 95% CI)")
-    ax.grid(alpha=0.3)
-    _save(fig, out_dir / "pareto.png")
-    plots["pareto"] = "pareto.png"
-    drifting = {n: v["drift_detail"] for n, v in ok.items() if n != "original"}
-    _kld_lines(plt, {n: [(int(k.split("-")[0]), b["mean"]) for k, b in d["kld_by_position"].items()]
-                     for n, d in drifting.items()},
-               "output position (token index within the reply, bucket start)", "mean KLD, nats",
-               "KLD by output position", 8, out_dir / "kld_by_position.png")
-    plots["kld_by_position"] = "kld_by_position.png"
-    turns = _multi_turn_keys(ok)
-    if turns:
-        _kld_lines(plt, {n: [(int(t.split(":")[1]), d["kld_by_turn"][t]["mean"]) for t in turns if t in d["kld_by_turn"]]
-                         for n, d in drifting.items()},
-                   "turn of the multi-turn conversation", "mean KLD of the reply, nats", "Multi-turn drift by turn", 7,
-                   out_dir / "kld_by_turn.png")
-        plots["kld_by_turn"] = "kld_by_turn.png"
-    trend = _trend_plot(plt, history or [], summary, out_dir)
-    if trend:
-        plots["trend"] = trend
-    recall = {n: v["recall"] for n, v in ok.items() if v.get("recall")}
-    if recall:
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-        for n, r in recall.items():
-            depths = sorted(r["by_depth"], key=float)
-            xs = [100 * float(d) for d in depths]
-            ax1.plot(xs, [100 * (r["by_depth"][d]["recall"] or 0) for d in depths], marker="o", label=n)
-            if n != "original":
-                ax2.plot(xs, [max(r["by_depth"][d]["kld_mean"] or 0, 1e-7) for d in depths], marker="o", label=n)
-        ax1.set_xlabel("depth of the planted fact in the document (%)")
-        ax1.set_ylabel("recall (% of questions answered exactly)")
-        ax1.set_ylim(-5, 105)
-        ax1.set_title("Recall by depth")
-        ax2.set_yscale("log")
-        ax2.set_xlabel("depth of the planted fact in the document (%)")
-        ax2.set_ylabel("mean KLD on answer tokens, nats")
-        ax2.set_title("Answer-token KLD by depth")
-        for ax in (ax1, ax2):
-            ax.grid(alpha=0.3)
-        ax1.legend(fontsize=7)
-        _save(fig, out_dir / "recall_by_depth.png")
-        plots["recall_by_depth"] = "recall_by_depth.png"
-    return plots
-
-
-def _save(fig, path: Path) -> None:
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-_CSS = ("body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1280px;color:#222}"
-        "table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 6px;"
-        "text-align:right}td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}"
-        ".rec{background:#eef7ee;padding:1em;border-left:4px solid #4a4}img{max-width:100%}"
-        "code{background:#f3f3f3;padding:0 3px}mark.div{background:#fd8}table.pair{width:100%;table-layout:fixed}"
-        "table.pair td{text-align:left;vertical-align:top}pre{white-space:pre-wrap;font-size:12px;margin:0}"
-        ".sample{margin:.6em 0}.meta{font-size:12px;color:#555}")
-
-
-def _html_inline(text: str) -> str:
-    """Escape everything, then turn our own **bold** and `code` markers into tags."""
-    import re
-
-    out = html.escape(str(text))
-    out = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", out)
-    return re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
-
-
-def _divergence_html(ref: str, var: str) -> tuple[str, str]:
-    """Both texts escaped, the first differing word (from the first differing character) highlighted."""
-    i = next((k for k, (a, b) in enumerate(zip(ref, var)) if a != b), min(len(ref), len(var)))
-
-    def mark(text: str) -> str:
-        if i >= len(text) and len(ref) == len(var):
-            return html.escape(text)
-        end = i
-        while end < len(text) and not text[end].isspace():
-            end += 1
-        end = max(end, min(i + 1, len(text)))
-        return (html.escape(text[:i]) + "<mark class='div'>" + html.escape(text[i:end] or "⏎ (ends here)")
-                + "</mark>" + html.escape(text[end:]))
-
-    return mark(ref), mark(var)
-
-
-def samples_viewer(samples: list[dict]) -> str:
-    """Per variant, every reply beside the original's, the first divergence highlighted (no script needed)."""
-    by_variant: dict[str, list[dict]] = {}
-    for smp in samples:
-        if smp["variant"] != "original":
-            by_variant.setdefault(smp["variant"], []).append(smp)
-    if not by_variant:
-        return ""
-    esc = html.escape
-    parts = ["<section id='samples'><h2>Samples: original vs variant</h2><p>Each reply beside the original's; "
-             "the first divergent word is highlighted. Checks: ✓ pass, ✗ fail (original → variant).</p>"]
-    for name, rows in by_variant.items():
-        changed = sum(1 for r in rows if r["first_divergence"] is not None)
-        parts.append(f"<details class='variant'><summary><code>{esc(name)}</code>: {changed}/{len(rows)} replies "
-                     "differ</summary>")
-        for r in rows:
-            ref, var = _divergence_html(r["reference_text"], r["variant_text"])
-            checks = " ".join(f"{esc(label)}: {'✓' if a else '✗'}→{'✓' if b else '✗'}"
-                              for label, a, b in zip(r["check_labels"], r["checks_reference"], r["checks_variant"]))
-            parts.append(f"<div class='sample'><div class='meta'>{esc(r['suite'])} / {esc(r['conversation'])} turn "
-                         f"{r['turn'] + 1}; first divergent token: {esc(str(r['first_divergence']))}; chrF "
-                         f"{r['chrf']:.1f}{'; ' + checks if checks else ''}</div><table class='pair'><tr><th>original"
-                         f"</th><th>{esc(name)}</th></tr><tr><td><pre>{ref}</pre></td><td><pre>{var}</pre></td></tr>"
-                         "</table></div>")
-        parts.append("</details>")
-    parts.append("</section>")
-    return "\n".join(parts)
-
-
-def render_html(summary: dict, out_dir: Path, plots: dict[str, str], samples: list[dict] | None = None) -> str:
-    esc = html.escape
-    parts = ["<!doctype html><html><head><meta charset='utf-8'>",
-             f"<title>quantdrift report: {esc(summary['model']['name'])}</title><style>{_CSS}</style></head><body>",
-             f"<h1>quantdrift: {esc(summary['model']['name'])} ({esc(summary['run']['profile'])} profile)</h1>"]
-    for sid, title, blocks in report_sections(summary, plots):
-        parts.append(f"<section id='{esc(sid)}'><h2>{esc(title)}</h2>")
-        for i, b in enumerate(blocks):
-            if isinstance(b, dict):
-                data = base64.b64encode((out_dir / b["file"]).read_bytes()).decode()
-                parts.append(f"<figure id='plot-{esc(b['plot'])}'><img alt='{esc(b['plot'])}' "
-                             f"src='data:image/png;base64,{data}'></figure>")
-            elif isinstance(b, tuple):
-                head, rows = b
-                tid = "main" if sid == "variants" and i == 0 else f"{sid}-{i}"
-                parts.append(f"<table id='{esc(tid)}'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
-                parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows]
-                parts.append("</table>")
-            elif isinstance(b, list):
-                parts.append("<ul>" + "".join(f"<li>{_html_inline(x)}</li>" for x in b) + "</ul>")
-            else:
-                cls = " class='rec'" if sid == "decision" and i == 0 else ""
-                parts.append(f"<p{cls}>{_html_inline(b)}</p>")
-        parts.append("</section>")
-    parts.append(samples_viewer(samples or []))
-    parts.append("</body></html>")
-    return "\n".join(parts)
-
-
-def write_report(cfg: Config) -> dict:
-    out_dir = cfg.results_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    summary = build_summary(cfg)
-    history_path = Path(cfg.paths.results) / "history.jsonl"
-    history = read_jsonl(history_path) if history_path.is_file() else []
-    plots = make_plots(summary, out_dir, history)
-    samples = []
-    for name in summary["variants"]:
-        r = load_result(cfg, name)
-        if r and r.get("status") == "ok":
-            samples += read_jsonl(Path(r["evaluation"]["dir"]) / "samples.jsonl")
-    write_json(out_dir / "summary.json", summary)
-    atomic_write_text(out_dir / "report.md", render_markdown(summary, plots))
-    atomic_write_text(out_dir / "report.html", render_html(summary, out_dir, plots, samples))
-    atomic_write_text(out_dir / "samples.jsonl", "".join(dumps(s, indent=None) + "\n" for s in samples))
-    log.info("report written to %s", out_dir)
-    return summary

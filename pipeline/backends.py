@@ -1,0 +1,36 @@
+"""Every backend's registry line, and nothing else (a leaf module: pure data).
+
+A quantizer turns the original into an artifact; a runtime loads an artifact and generates and scores. Each line
+names the class (imported only when used, so heavy libraries stay out of `import pipeline` and `--help`) and the
+libraries whose versions every stage manifest records for it. Adding a backend: its module, one line here, and
+its YAML files (see "Extending quantdrift" in the README).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Backend(NamedTuple):
+    target: str                       # "module:Class"
+    libraries: tuple[str, ...] = ()   # distributions whose versions change its numbers
+
+
+QUANTIZERS = {
+    "none": Backend("pipeline.quantizers.base:Passthrough"),
+    "gguf": Backend("pipeline.quantizers.gguf:GGUFQuantizer", ("gguf", "llama-cpp-python")),
+    "gptqmodel": Backend("pipeline.quantizers.gptq:GPTQModelQuantizer", ("gptqmodel", "optimum")),
+}
+
+RUNTIMES = {
+    "hf": Backend("pipeline.runtimes.hf:HFRuntime", ("torch", "transformers")),
+    "llamacpp": Backend("pipeline.runtimes.llamacpp:LlamaCppRuntime", ("llama-cpp-python",)),
+}
+
+
+def libraries() -> list[str]:
+    """Every backend's libraries, in registry order, once each."""
+    out: list[str] = []
+    for b in (*RUNTIMES.values(), *QUANTIZERS.values()):
+        out += [d for d in b.libraries if d not in out]
+    return out

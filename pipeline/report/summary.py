@@ -1,0 +1,54 @@
+"""summary.json: the versioned summary of a run, assembled from the per-variant result files alone (nothing is
+recomputed) and checked against the published JSON Schema before anything is written."""
+
+from __future__ import annotations
+
+import time
+
+from pipeline.aggregate import SCHEMA_VERSION, capacity_plan, variant_summary
+from pipeline.catalogue import validate_summary
+from pipeline.config import Config
+from pipeline.decision import decide
+from pipeline.run import load_result
+from pipeline.store import hardware, library_versions
+
+
+def build_summary(cfg: Config) -> dict:
+    names = cfg.run.variants or [cfg.variant.name]
+    results = {}
+    for name in names:
+        r = load_result(cfg, name)
+        results[name] = r or {"status": "skipped", "reason": "not evaluated in this run (no result file)"}
+    from pipeline.roofline import load_bandwidth, resolve_device, run_bandwidth
+
+    bandwidth = load_bandwidth(cfg)
+    if bandwidth is None and any(r.get("status") == "ok" for r in results.values()):
+        bandwidth = run_bandwidth(cfg, resolve_device(cfg.runtime.device))   # a run from before bandwidth existed
+    variants = {name: variant_summary(r, bandwidth, cfg.decision.degeneration, cfg.seed)
+                for name, r in results.items()}
+    ok = [r for r in results.values() if r.get("status") == "ok"]
+    first = ok[0] if ok else {}
+    facts = (first.get("model") or {}).get("facts", {})
+    for v in variants.values():
+        if v["status"] == "ok":
+            v["capacity"] = capacity_plan(v, facts, cfg.capacity)
+    origin = facts.get("origin", "")
+    summary = {
+        "schema_version": SCHEMA_VERSION,
+        "created_unix": time.time(),
+        "run": {"name": cfg.run.name, "profile": cfg.profile.name, "suites": cfg.run.suites,
+                "threads": cfg.runtime.n_threads, "device": cfg.runtime.device},
+        "model": {"name": cfg.model.name, "source": cfg.model.source, "origin": origin,
+                  **{k: v for k, v in facts.items() if k != "chat_template"}},
+        "reference": {"runtime": (first.get("reference") or {}).get("producer"),
+                      "top_k": cfg.reference.top_k, "parity": first.get("parity")},
+        "variants": variants,
+        "recommendation": decide(variants, cfg.decision),
+        "decision_config": cfg.decision.__dict__,
+        "capacity": cfg.capacity.__dict__,
+        "bandwidth": bandwidth,
+        "versions": library_versions(),
+        "hardware": hardware(),
+    }
+    validate_summary(summary)
+    return summary

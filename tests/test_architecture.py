@@ -1,0 +1,165 @@
+"""The shape of the house: no import cycle among pipeline modules (imports inside functions count), no module
+outside the backends names a backend, the command table and the published summary schema agree with their
+single sources, and every backend validates its own options when the config loads."""
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import PROJECT_ROOT, ConfigError
+from tests.conftest import compose
+
+PIPELINE = PROJECT_ROOT / "pipeline"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PROJECT_ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (isinstance(t, ast.Attribute)
+                                                                      and t.attr == "TYPE_CHECKING")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the pipeline modules it imports anywhere (module level or inside functions); imports under
+    `if TYPE_CHECKING:` are annotations only, never executed, and do not count."""
+    modules = {_module_name(p): p for p in PIPELINE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    for mod, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
+                for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            for t in targets:
+                if t.startswith("pipeline"):
+                    r = resolve(t)
+                    if r and r != mod and not (mod.startswith(r + ".") and r == "pipeline"):
+                        graph[mod].add(r)
+    # pipeline.registry imports every backend by name (importlib): those are edges too.
+    from pipeline.backends import QUANTIZERS, RUNTIMES
+
+    for backend in (*QUANTIZERS.values(), *RUNTIMES.values()):
+        graph["pipeline.registry"].add(resolve(backend.target.split(":")[0]))
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if state.get(m) is None and (c := visit(m)):
+                return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if state.get(n) is None and (c := visit(n)):
+            return c
+    return None
+
+
+def test_no_import_cycle_among_pipeline_modules():
+    graph = import_graph()
+    assert "pipeline.errors" in graph["pipeline.config"] and "pipeline.quantizers.gguf" in graph["pipeline.registry"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_leaf_modules_import_nothing_from_the_pipeline():
+    graph = import_graph()
+    for leaf in ("pipeline.errors", "pipeline.catalogue", "pipeline.settings", "pipeline.backends"):
+        assert graph[leaf] <= {"pipeline.errors"}, (leaf, graph[leaf])
+
+
+def test_no_module_outside_the_backends_names_a_backend():
+    """Adding a runtime or quantizer touches its own module, its registry lines and YAML files only."""
+    from pipeline.quantizers import QUANTIZERS
+    from pipeline.runtimes import RUNTIMES
+
+    names = [n for n in (*RUNTIMES, *QUANTIZERS) if n != "none"]
+    pattern = re.compile(r"""(==|!=|\bin\b)\s*\(?\s*["'](%s)["']|["'](%s)["']\s*(==|!=)""" % ("|".join(names),
+                                                                                           "|".join(names)))
+    offenders = []
+    for path in PIPELINE.rglob("*.py"):
+        rel = path.relative_to(PIPELINE).as_posix()
+        if rel.startswith(("runtimes/", "quantizers/")):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{rel}:{i}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_command_table_matches_the_config():
+    from pipeline.cli import COMMANDS
+    from pipeline.config import Config
+
+    assert set(COMMANDS) == set(Config.COMMANDS)
+
+
+def test_published_schema_is_generated_from_the_catalogue():
+    from pipeline.catalogue import SCHEMA_FILE, summary_schema
+
+    published = json.loads((PROJECT_ROOT / SCHEMA_FILE).read_text())
+    assert published == summary_schema(), (f"{SCHEMA_FILE} is stale: regenerate it with "
+                                            "`python -m pipeline.catalogue > schema/summary.schema.json`")
+
+
+def test_regress_tolerances_are_catalogue_metrics_with_their_direction():
+    with pytest.raises(ConfigError, match="regress.tolerances metric"):
+        compose(["+regress.tolerances.kld_meen={rel: 0.1}"])
+    with pytest.raises(ConfigError, match="kld_mean.better"):
+        compose(["+regress.tolerances.kld_mean.better=higher"])
+    with pytest.raises(ConfigError, match="regress.tolerances metric"):   # counted, never judged
+        compose(["+regress.tolerances.scored_tokens={abs: 1}"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("+variant.quantize.group_sise=64", "group_sise"),          # gptq_w4: a misspelt key
+    ("variant.quantize.bits=5", "variant.quantize.bits"),
+    ("+variant.runtime_options.free_runing=kernel", "free_runing"),
+])
+def test_a_backend_option_is_validated_when_the_config_loads(override, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        compose(["variant=gptq_w4", override])
+
+
+def test_a_runtime_option_of_another_backend_is_refused():
+    with pytest.raises(ConfigError, match="cache_type_k"):
+        compose(["variant=original", "+variant.runtime_options.cache_type_k=q8_0"])
+    with pytest.raises(ConfigError, match="variant.runtime_options.cache_type_k"):
+        compose(["variant=gguf_q8_0", "+variant.runtime_options.cache_type_k=q9"])

@@ -1,0 +1,201 @@
+"""The report's content on hand-built summaries (no model runs): the schema check in build_summary, the tables'
+labels and formats from the metric catalogue, and the multi-turn tables decided from the data."""
+
+import re
+
+import pytest
+
+from pipeline.catalogue import BY_NAME, METRICS, SCHEMA_VERSION, validate_summary
+from pipeline.errors import ConfigError
+from pipeline.report import render_html, render_markdown, report_sections
+from pipeline.report.sections import main_table, metric_head, multi_turn_suites, speed_table
+
+
+def _iv(est, spread=0.1):
+    return {"estimate": est, "low": est * (1 - spread) if est > 0 else est - spread,
+            "high": est * (1 + spread) if est > 0 else est + spread, "level": 0.95, "units": 4}
+
+
+def ok_variant(kld: float, tps: float, rss: float, turns: dict | None = None, recall: bool = False) -> dict:
+    """A summary entry shaped like aggregate.variant_summary's, numbers made up."""
+    drift = {"kld_mean": kld, "kld_median": kld / 2, "kld_p90": kld * 2, "kld_p99": kld * 4, "kld_max": kld * 8,
+             "top1_agreement": 1 - kld, "delta_nll": kld / 3, "tail_mass_mean": 0.01, "scored_tokens": 500,
+             "pass_rate": 0.75, "flip_rate": 0.125}
+    assert set(drift) == {m.name for m in METRICS if m.section == "drift"}
+    turns = turns if turns is not None else {"smoke:1": {"mean": kld, "n": 10}}
+    return {
+        "status": "ok", "reason": None, "description": None, "runtime": "hf", "kernel": "torch", "runtime_info": {},
+        "drift": drift,
+        "intervals": {"kld_mean": _iv(kld), "top1_agreement": _iv(1 - kld, 0.01), "delta_nll": _iv(kld / 3),
+                      "pass_rate": _iv(0.75), "pass_rate_delta": _iv(-0.125), "flip_rate": _iv(0.125)},
+        "drift_detail": {"kld_by_position": {"0-127": {"mean": kld, "n": 300}, "128-255": {"mean": kld * 2, "n": 200}},
+                         "kld_by_turn": turns, "kld_by_suite": {}},
+        "free_running": {"checks": 8, "pass_rate": 0.75, "reference_pass_rate": 0.875, "pass_to_fail": 1,
+                         "fail_to_pass": 0, "mcnemar_p": 1.0, "chrf_mean": 81.5, "replies": 4,
+                         "degenerate_replies": 0, "by_suite": {}, "source": "hf"},
+        "recall": ({"recall": 0.8, "documents": 3, "by_depth": {
+            d: {"recall": r, "kld_mean": kld * (i + 1), "flips": 0}
+            for i, (d, r) in enumerate((("0.1", 1.0), ("0.5", 0.75), ("0.9", 0.5)))},
+            "by_length": {"512": {"recall": 0.8}}} if recall else None),
+        "deployment": None,
+        "speed": {"ttft_s": 0.0421, "prefill_tokens_per_s": 950.0, "decode_tokens_per_s": tps, "itl_p50_s": 1 / tps,
+                  "itl_p99_s": 1.5 / tps, "prompt_tokens": 64, "decode_tokens": 32, "repeats": 3, "cpu_noise": 0.02,
+                  "noisy": False, "load_s": 0.4},
+        "memory": {"artifact_bytes": int(rss * 2**19), "peak_rss_mb": rss, "kv_bytes_per_token": 4096.0,
+                   "kv_bytes_per_token_reported": 4100.0, "kv_reported_source": "hf cache tensors",
+                   "kv_cache": "float32", "kv_formula_gap": 0.001, "kv_gap_flagged": False},
+        "artifact": {"path": "/x", "format": "safetensors", "gguf_type": None, "tensor_types": {"F32": 3},
+                     "group_size": None, "quantize_settings": None, "quantize_wall_s": 1.0,
+                     "quantize_peak_rss_mb": 100.0},
+        "paths": {"teacher_forced": "hf (torch)", "speed_memory": "hf (torch), fresh process", "free_running": "hf",
+                  "dequantized_check": None},
+        "roofline": {"bytes_per_token": 8 * 2**20, "share": 0.4, "ceiling_tokens_per_s": 500.0},
+        "capacity": {"weights_bytes": 8 * 2**20, "overhead_bytes": 2**28, "max_sequences": {"16": 12}},
+    }
+
+
+def make_summary(variants: dict, history_run: str = "smoke") -> dict:
+    names = [n for n, v in variants.items() if v["status"] == "ok"]
+    return {
+        "schema_version": SCHEMA_VERSION, "created_unix": 0.0,
+        "run": {"name": history_run, "profile": "smoke", "suites": ["smoke"], "threads": 2, "device": "cpu"},
+        "model": {"name": "hand", "source": "hand/built", "origin": "hand-built test summary", "architecture": "llama",
+                  "params": 3.5e6, "layers": 2, "attention_heads": 4, "kv_heads": 2, "head_dim": 16,
+                  "vocab_size": 49152, "context_length": 2048},
+        "reference": {"runtime": "hf", "top_k": 32, "parity": None},
+        "variants": variants,
+        "recommendation": {"variant": names[-1] if names else None, "decision": "default", "objective": "decode_speed",
+                           "summary": "fastest within the drift limits",
+                           "reasons": {n: "slower" for n in names}, "pareto_front": names[1:]},
+        "decision_config": {}, "capacity": {"memory_budget_gb": [16], "context_tokens": 4096, "headroom": 0.2},
+        "bandwidth": {"bytes_per_s": 2e10, "method": "numpy copy"},
+        "versions": {"torch": "0"}, "hardware": {"cpu": "test cpu", "cores": 2},
+    }
+
+
+def skipped(reason="not evaluated in this run (no result file)"):
+    return {"status": "skipped", "reason": reason, "runtime": None, "description": None}
+
+
+def three_variants(turns: dict[str, dict] | None = None, recall: bool = False) -> dict:
+    turns = turns or {}
+    return make_summary({
+        "original": ok_variant(0.0, 50.0, 400.0, turns.get("original"), recall),
+        "q8": ok_variant(0.002, 80.0, 250.0, turns.get("q8"), recall),
+        "awq": skipped(),
+        "q4": ok_variant(0.03, 120.0, 180.0, turns.get("q4"), recall),
+    })
+
+
+def _turns(kld, **suites):
+    """kld_by_turn for suites given as name=number of turns."""
+    return {f"{s}:{t}": {"mean": kld * t, "n": 5} for s, n in suites.items() for t in range(1, n + 1)}
+
+
+# ------------------------------------------------------------------------------------------ schema
+
+
+def test_hand_built_summary_matches_the_published_schema():
+    validate_summary(three_variants())
+    broken = three_variants()
+    del broken["variants"]["q8"]["intervals"]
+    with pytest.raises(ConfigError, match="variants/q8"):
+        validate_summary(broken)
+
+
+def test_build_summary_validates_before_returning(tmp_path, monkeypatch):
+    import pipeline.report.summary as mod
+    from tests.conftest import compose
+
+    cfg = compose(["model.source=/nonexistent", "model.name=hand", "profile=smoke", "run.suites=[smoke]",
+                   f"paths.artifacts={tmp_path / 'a'}", f"paths.results={tmp_path / 'r'}", "command=report",
+                   "run.variants=[original,q8,awq]"])
+    entries = {"original": ok_variant(0.0, 50.0, 400.0), "q8": ok_variant(0.002, 80.0, 250.0), "awq": skipped()}
+    monkeypatch.setattr(mod, "load_result", lambda cfg, name: None if name == "awq" else
+                        {"status": "ok", "name": name, "model": {"facts": {"origin": "hand"}}})
+    monkeypatch.setattr(mod, "variant_summary", lambda r, *a: dict(entries[r["name"]]) if r["status"] == "ok"
+                        else dict(entries["awq"]))
+    monkeypatch.setattr(mod, "capacity_plan", lambda v, facts, cap: {"max_sequences": {}})
+    monkeypatch.setattr("pipeline.roofline.load_bandwidth", lambda cfg: {"bytes_per_s": 1e10, "method": "test"})
+    summary = mod.build_summary(cfg)
+    assert list(summary["variants"]) == ["original", "q8", "awq"]
+    validate_summary(summary)
+    entries["q8"] = {k: v for k, v in entries["q8"].items() if k != "free_running"}
+    with pytest.raises(ConfigError, match="at variants/q8: "):
+        mod.build_summary(cfg)
+
+
+# ------------------------------------------------------------------------------------------ tables
+
+
+def test_main_and_speed_tables_take_labels_and_formats_from_the_catalogue():
+    s = three_variants()
+    head, rows = main_table(s)
+    for name in ("kld_mean", "kld_p99", "top1_agreement", "delta_nll", "pass_rate"):
+        m = BY_NAME[name]
+        assert metric_head(m, bool(m.interval)) in head and m.label in metric_head(m), name
+    assert len(head) == 12 and all(len(r) == len(head) for r in rows)
+    q8 = rows[[r[0] for r in rows].index("q8")]
+    assert q8[head.index(metric_head(BY_NAME["top1_agreement"], True))] == "99.8% [98.8%, 100.8%]"   # ".1%"
+    assert q8[head.index(metric_head(BY_NAME["kld_mean"], True))] == "0.0020 [0.0018, 0.0022]"     # ".4f"
+    assert q8[head.index(metric_head(BY_NAME["kld_p99"]))] == "0.008"                              # ".3f"
+    assert rows[[r[0] for r in rows].index("awq")][1] == "skipped"
+    head, rows = speed_table(s)
+    assert [r[0] for r in rows] == ["original", "q8", "q4"]
+    for name in ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s", "artifact_bytes",
+                 "peak_rss_mb", "kv_bytes_per_token"):
+        m = BY_NAME[name]
+        col = head.index(metric_head(m))
+        assert rows[1][col] == format(s["variants"]["q8"][m.section][name] * m.display_scale, m.fmt), name
+    assert "TTFT s" in head and "decode tok/s" in head and "peak RSS MB" in head
+    assert "ITL p50 ms" in head and "artifact size MiB" in head     # display units, not the summary's s and bytes
+
+
+# ------------------------------------------------------------------------------------------ fix 1: multi-turn
+
+
+def test_a_user_multi_turn_suite_gets_its_drift_by_turn_table():
+    """Old code kept only suites literally named multi_turn: a user's support_chat got no by-turn table."""
+    s = three_variants({n: _turns(k, smoke=1, support_chat=3) for n, k in (("q8", 0.01), ("q4", 0.05))})
+    sections = {sid: blocks for sid, _, blocks in report_sections(s)}
+    assert "by-turn" in sections
+    tables = [b for b in sections["by-turn"] if isinstance(b, tuple)]
+    assert len(tables) == 1 and tables[0][0] == ["variant", "1", "2", "3"]
+    assert "support_chat" in sections["by-turn"][0]
+    q4 = next(r for r in tables[0][1] if r[0] == "q4")
+    assert q4[1:] == ["0.0500", "0.1000", "0.1500"]
+
+
+def test_every_multi_turn_suite_is_shown_and_single_turn_suites_are_not():
+    turns = {"q8": _turns(0.01, multi_turn=4, long_output=1, support_chat=2),
+             "q4": {**_turns(0.05, multi_turn=2, long_output=1), "onboarding:1": {"mean": 0.1, "n": 3},
+                    "onboarding:2": {"mean": 0.2, "n": 3}, "multi_turn_but_one:1": {"mean": 0.1, "n": 3}}}
+    s = three_variants(turns)
+    ok = {n: v for n, v in s["variants"].items() if v["status"] == "ok"}
+    assert multi_turn_suites(ok) == {"multi_turn": [f"multi_turn:{t}" for t in range(1, 5)],
+                                     "support_chat": ["support_chat:1", "support_chat:2"],
+                                     "onboarding": ["onboarding:1", "onboarding:2"]}
+    # one table per suite, after a line naming it; a variant without the suite shows dashes
+    blocks = next(b for sid, _, b in report_sections(s) if sid == "by-turn")
+    named = [re.search(r"`(.+?)`", b).group(1) for b in blocks if isinstance(b, str)]
+    assert named == ["multi_turn", "support_chat", "onboarding"]
+    tables = [b for b in blocks if isinstance(b, tuple)]
+    assert [t[0][1:] for t in tables] == [["1", "2", "3", "4"], ["1", "2"], ["1", "2"]]
+    assert next(r for r in tables[0][1] if r[0] == "q4")[1:] == ["0.0500", "0.1000", "–", "–"]
+    md = render_markdown(s, {})
+    assert "Suite `support_chat`, by turn:" in md and "long_output" not in md and "multi_turn_but_one" not in md
+
+
+def test_a_suite_named_multi_turn_with_one_turn_is_not_multi_turn():
+    s = three_variants({"q8": _turns(0.01, multi_turn=1)})
+    assert "by-turn" not in [sid for sid, _, _ in report_sections(s)]
+
+
+def test_markdown_and_html_render_the_by_turn_tables(tmp_path):
+    s = three_variants({"q8": _turns(0.01, support_chat=2), "q4": _turns(0.05, support_chat=2)})
+    page = render_html(s, tmp_path, {}, [])
+    section = re.search(r"<section id='by-turn'>(.*?)</section>", page, re.S).group(1)
+    assert "<code>support_chat</code>" in section and section.count("<table") == 1
+    assert "<td>0.1000</td>" in section
+    md = render_markdown(s, {})
+    assert "## Multi-turn drift by turn (mean KLD)" in md and "| q4 | 0.0500 | 0.1000 |" in md
