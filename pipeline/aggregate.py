@@ -65,20 +65,26 @@ def degenerate(sample: dict, limits: dict) -> bool:
             or sample["longest_loop_tokens"] >= limits.get("max_loop_tokens", 10**9))
 
 
+def paired_checks(before: list[bool], after: list[bool]) -> dict:
+    """Two paired runs of the same checks: each side's pass rate, the flips between them and their exact McNemar
+    p-value (one computation for the variant against the original, per suite, and for the deployment path)."""
+    f = metrics.flips(before, after)
+    n = len(after)
+    return {"checks": n, "pass_rate": sum(after) / n if n else None,
+            "reference_pass_rate": sum(before) / n if n else None,
+            "pass_to_fail": f["pass_to_fail"], "fail_to_pass": f["fail_to_pass"],
+            "flip_rate": (f["pass_to_fail"] + f["fail_to_pass"]) / n if n else None,
+            "mcnemar_p": metrics.mcnemar_exact_p(f["pass_to_fail"], f["fail_to_pass"])}
+
+
 def flips_by_suite(samples: list[dict]) -> dict:
     out: dict = {}
     for s in samples:
         g = out.setdefault(s["suite"], ([], []))
         g[0].extend(s["checks_reference"])
         g[1].extend(s["checks_variant"])
-    table = {}
-    for suite, (ref, var) in out.items():
-        f = metrics.flips(ref, var)
-        table[suite] = {"checks": len(var), "pass_rate": sum(var) / len(var) if var else None,
-                        "reference_pass_rate": sum(ref) / len(ref) if ref else None,
-                        "pass_to_fail": f["pass_to_fail"], "fail_to_pass": f["fail_to_pass"],
-                        "mcnemar_p": metrics.mcnemar_exact_p(f["pass_to_fail"], f["fail_to_pass"])}
-    return table
+    keys = ("checks", "pass_rate", "reference_pass_rate", "pass_to_fail", "fail_to_pass", "mcnemar_p")
+    return {suite: {k: v for k, v in paired_checks(ref, var).items() if k in keys} for suite, (ref, var) in out.items()}
 
 
 def free_running_figures(samples: list[dict], degeneration: dict | None = None) -> dict:
@@ -92,18 +98,11 @@ def free_running_figures(samples: list[dict], degeneration: dict | None = None) 
         if s["length_ratio"] is not None:
             ratio.append(s["length_ratio"])
         diverge.append(s["first_divergence"])
-    f = metrics.flips(ref_checks, var_checks)
-    n = len(var_checks)
+    paired = paired_checks(ref_checks, var_checks)
     identical = sum(1 for d in diverge if d is None)
     return {
-        "checks": n,
-        "pass_rate": (sum(var_checks) / n) if n else None,
-        "reference_pass_rate": (sum(ref_checks) / n) if n else None,
-        "flips": f["pass_to_fail"] + f["fail_to_pass"],
-        "pass_to_fail": f["pass_to_fail"],
-        "fail_to_pass": f["fail_to_pass"],
-        "flip_rate": ((f["pass_to_fail"] + f["fail_to_pass"]) / n) if n else None,
-        "mcnemar_p": metrics.mcnemar_exact_p(f["pass_to_fail"], f["fail_to_pass"]),
+        **paired,
+        "flips": paired["pass_to_fail"] + paired["fail_to_pass"],
         "chrf_mean": float(np.mean(chrf)) if chrf else None,
         "identical_replies": identical,
         "replies": len(diverge),
@@ -168,13 +167,11 @@ def deployment_figures(deployment: dict | None, samples: list[dict]) -> dict | N
             served_checks += turn["checks"]
             identical += turn["text"] == s["variant_text"]
             chrf.append(metrics.chrf(turn["text"], s["variant_text"]) if turn["text"] or s["variant_text"] else 100.0)
-    f = metrics.flips(ids_checks, served_checks)
-    n = len(served_checks)
-    return {"suites": deployment["suites"], "replies": replies, "identical_replies": identical, "checks": n,
-            "pass_rate_ids": sum(ids_checks) / n if n else None, "pass_rate_served": sum(served_checks) / n if n else None,
-            "pass_to_fail": f["pass_to_fail"], "fail_to_pass": f["fail_to_pass"],
-            "flip_rate": (f["pass_to_fail"] + f["fail_to_pass"]) / n if n else None,
-            "mcnemar_p": metrics.mcnemar_exact_p(f["pass_to_fail"], f["fail_to_pass"]),
+    paired = paired_checks(ids_checks, served_checks)
+    return {"suites": deployment["suites"], "replies": replies, "identical_replies": identical,
+            "checks": paired["checks"], "pass_rate_ids": paired["reference_pass_rate"],
+            "pass_rate_served": paired["pass_rate"],
+            **{k: paired[k] for k in ("pass_to_fail", "fail_to_pass", "flip_rate", "mcnemar_p")},
             "chrf_mean": float(np.mean(chrf)) if chrf else None, "wall_s": deployment.get("wall_s")}
 
 

@@ -20,8 +20,7 @@ from pipeline.prepare import Original
 from pipeline.prompts import Conversation
 from pipeline.quantizers.base import Artifact
 from pipeline.reference import SuiteReference, context_needed, n_ctx_for
-from pipeline.runtimes import load_runtime
-from pipeline.runtimes import runtime_class
+from pipeline.runtimes import load_runtime, runtime_class
 from pipeline.store import Journal, read_json, run_stage, write_json, write_jsonl
 
 log = logging.getLogger(__name__)
@@ -131,6 +130,14 @@ def _choose_generator(cfg: Config, kernel_rt, artifact: Artifact, refs: dict, or
     return kernel_rt, {"used": False, **check}
 
 
+def _runtime_key(cfg: Config, artifact: Artifact) -> dict:
+    """What any stage that runs cfg.variant on its artifact depends on (the evaluation, the deployment path)."""
+    variant = cfg.variant
+    return {"variant": variant.name, "artifact": artifact.hash, "runtime": variant.runtime,
+            "runtime_options": variant.runtime_options, "threads": cfg.runtime.n_threads, "device": cfg.runtime.device,
+            "runtime_settings": runtime_class(variant.runtime).key_settings(cfg.runtime)}
+
+
 def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, artifact: Artifact,
                      suites: dict[str, list[Conversation]], refs: dict[str, SuiteReference], producer: dict,
                      probe_prompt: list[int]) -> dict:
@@ -139,10 +146,8 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
     out_dir = cfg.model_dir / "runs" / cfg.run.name / variant.name
     key = {
         "schema_version": SCHEMA_VERSION,    # an evaluation from another contract is recomputed, never misread
-        "variant": variant.name, "artifact": artifact.hash, "runtime": variant.runtime,
-        "runtime_options": variant.runtime_options, "references": {s: r.hash for s, r in refs.items()},
-        "threads": cfg.runtime.n_threads, "device": cfg.runtime.device, "speed": cfg.profile.speed.__dict__,
-        "runtime_settings": runtime_class(variant.runtime).key_settings(cfg.runtime),
+        **_runtime_key(cfg, artifact),
+        "references": {s: r.hash for s, r in refs.items()}, "speed": cfg.profile.speed.__dict__,
         "probe_prompt": len(probe_prompt),
     }
     stop_ids = original.facts["eos_token_ids"]
@@ -245,9 +250,7 @@ def deployment_path(cfg: Config, original: Original, renderer: ChatRenderer, art
 
     variant = cfg.variant
     out_dir = cfg.model_dir / "runs" / cfg.run.name / f"{variant.name}.served"
-    key = {"variant": variant.name, "artifact": artifact.hash, "runtime": variant.runtime,
-           "runtime_options": variant.runtime_options, "threads": cfg.runtime.n_threads, "device": cfg.runtime.device,
-           "runtime_settings": runtime_class(variant.runtime).key_settings(cfg.runtime), "template": original.facts.get("chat_template_hash"),
+    key = {**_runtime_key(cfg, artifact), "template": original.facts.get("chat_template_hash"),
            "conversations": {s: stable_hash(suites[s]) for s in names}}
     stop_ids = original.facts["eos_token_ids"]
     context = original.facts.get("context_length")

@@ -171,14 +171,12 @@ TOKENIZER_REPAIR_VERSION = 1
 def repair_gguf_tokenizer(tok, pre: str | None) -> dict | None:
     """Give a tokenizer rebuilt from a GGUF the pre-tokenizer its `tokenizer.ggml.pre` names, where transformers
     left a plain ByteLevel one. Returns what was changed (recorded in the model facts), or None."""
-    import json as _json
-
     from tokenizers import pre_tokenizers
 
     backend = getattr(tok, "backend_tokenizer", None)
     if pre not in DIGIT_SPLIT_PRE_TOKENIZERS or backend is None:
         return None
-    before = _json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    before = json.loads(backend.to_str()).get("pre_tokenizer") or {}
     if before.get("type") != "ByteLevel":
         return None
     backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),

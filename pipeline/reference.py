@@ -74,8 +74,10 @@ def parity_texts(convs: list[Conversation], renderer: ChatRenderer) -> list[str]
 
 
 def _common_ends(a: list[int], b: list[int]) -> tuple[int, int]:
-    """Lengths of the common prefix and of the common suffix (not overlapping the prefix)."""
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    """Lengths of the common prefix and of the common suffix (not overlapping the prefix) of two differing lists."""
+    from pipeline.metrics import first_divergence
+
+    first = first_divergence(a, b)
     last = 0
     while last < min(len(a), len(b)) - first and a[-1 - last] == b[-1 - last]:
         last += 1
