@@ -9,7 +9,7 @@ import numpy as np
 from pipeline import metrics
 from pipeline.catalogue import SCHEMA_VERSION, section_values
 from pipeline.runtimes import runtime_class
-from pipeline.stats import conversation_intervals
+from pipeline.stats import conversation_intervals, conversation_test, minimum_detectable
 from pipeline.store import read_json, read_jsonl
 
 __all__ = ["SCHEMA_VERSION", "variant_summary", "capacity_plan"]
@@ -30,7 +30,7 @@ def kv_reported_per_token(kv: dict | None) -> float | None:
 
 def drift_figures(tf: dict) -> dict:
     """Token-level drift over every suite's reply tokens, plus position buckets, turns and suites."""
-    kld, top1, dnll, pos, turn_keys, tail = [], [], [], [], [], []
+    kld, top1, dnll, pos, turn_keys, tail, nll_ref, nll_var = [], [], [], [], [], [], [], []
     per_suite = {}
     for suite, convs in tf.items():
         s_kld = []
@@ -39,17 +39,24 @@ def drift_figures(tf: dict) -> dict:
             s_kld += c["kld"]
             top1 += c["top1"]
             tail += c.get("tail_mass", [])
+            nll_ref += c["nll_reference"]
+            nll_var += c["nll_variant"]
             dnll += list(np.asarray(c["nll_variant"]) - np.asarray(c["nll_reference"]))
             pos += c["out_pos"]
             turn_keys += [f"{suite}:{t + 1}" for t in c["turn"]]
         per_suite[suite] = metrics.distribution(s_kld)
     dist = metrics.distribution(kld)
+    kld_pct = metrics.percentiles(kld, metrics.KLD_PERCENTILES)
+    dp = metrics.delta_p(nll_ref, nll_var)
     by_turn: dict[str, list[float]] = {}
     for key, v in zip(turn_keys, kld):
         by_turn.setdefault(key, []).append(v)
     return {
         "kld_mean": dist["mean"], "kld_median": dist["median"], "kld_p90": dist["p90"], "kld_p99": dist["p99"],
         "kld_max": dist["max"], "scored_tokens": dist["n"],
+        "kld_p99_9": kld_pct["99.9"] if kld_pct else None,
+        "delta_p_mean": dp["mean"] if dp else None, "delta_p_rms": dp["rms"] if dp else None,
+        "kld_percentiles": kld_pct, "delta_p": dp,
         "tail_mass_mean": float(np.mean(tail)) if tail else None,
         "top1_agreement": float(np.mean(top1)) if top1 else None,
         "delta_nll": float(np.mean(dnll)) if dnll else None,
@@ -77,17 +84,20 @@ def paired_checks(before: list[bool], after: list[bool]) -> dict:
             "mcnemar_p": metrics.mcnemar_exact_p(f["pass_to_fail"], f["fail_to_pass"])}
 
 
-def flips_by_suite(samples: list[dict]) -> dict:
+def flips_by_suite(samples: list[dict], seed: int = 0) -> dict:
+    """Per suite: the check-level paired figures (exact McNemar) and the conversation-level sign-flip test."""
     out: dict = {}
     for s in samples:
-        g = out.setdefault(s["suite"], ([], []))
+        g = out.setdefault(s["suite"], ([], [], []))
         g[0].extend(s["checks_reference"])
         g[1].extend(s["checks_variant"])
+        g[2].append(s)
     keys = ("checks", "pass_rate", "reference_pass_rate", "pass_to_fail", "fail_to_pass", "mcnemar_p")
-    return {suite: {k: v for k, v in paired_checks(ref, var).items() if k in keys} for suite, (ref, var) in out.items()}
+    return {suite: {**{k: v for k, v in paired_checks(ref, var).items() if k in keys},
+                    "conversation_test": conversation_test(rows, seed)} for suite, (ref, var, rows) in out.items()}
 
 
-def free_running_figures(samples: list[dict], degeneration: dict | None = None) -> dict:
+def free_running_figures(samples: list[dict], degeneration: dict | None = None, seed: int = 0) -> dict:
     ref_checks, var_checks = [], []
     chrf, rep, ratio, diverge = [], [], [], []
     for s in samples:
@@ -110,7 +120,8 @@ def free_running_figures(samples: list[dict], degeneration: dict | None = None) 
                                     if len(diverge) > identical else None),
         "repeated_4gram_rate_mean": float(np.mean(rep)) if rep else None,
         "length_ratio_mean": float(np.mean(ratio)) if ratio else None,
-        "by_suite": flips_by_suite(samples),
+        "conversation_test": conversation_test(samples, seed),
+        "by_suite": flips_by_suite(samples, seed),
         "degenerate_replies": sum(1 for s in samples if degenerate(s, degeneration or {})),
         "degeneration_limits": degeneration or {},
     }
@@ -236,7 +247,7 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
     samples = read_jsonl(ev_dir / "samples.jsonl")
     speed = read_json(ev_dir / "speed.json")
     drift = drift_figures(tf)
-    free = free_running_figures(samples, degeneration)
+    free = free_running_figures(samples, degeneration, seed)
     recall = recall_figures(tf, samples)
     intervals = conversation_intervals(tf, samples, seed)
     facts = result["model"]["facts"]
@@ -263,9 +274,11 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         "runtime_info": info,
         "drift": section_values("drift", sources),
         "intervals": intervals,
-        "drift_detail": {k: drift[k] for k in ("kld_by_position", "kld_by_turn", "kld_by_suite")},
+        "drift_detail": {k: drift[k] for k in ("kld_by_position", "kld_by_turn", "kld_by_suite", "kld_percentiles",
+                                                "delta_p")},
         "free_running": {**free, "source": result["evaluation"].get("free_running_source")},
         "recall": recall,
+        "power": minimum_detectable(samples, tf),
         "deployment": deployment_figures(result.get("deployment"), samples),
         "speed": {**section_values("speed", sources),
                   **{k: speed.get(k) for k in ("prompt_tokens", "decode_tokens", "repeats", "cpu_noise", "noisy",

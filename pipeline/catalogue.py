@@ -48,9 +48,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("kld_median", "drift", "lower", "median KLD", ".4f", "drift", "nats", None, True),
     Metric("kld_p90", "drift", "lower", "p90 KLD", ".3f", "drift", "nats", None, True),
     Metric("kld_p99", "drift", "lower", "p99 KLD", ".3f", "drift", "nats", None, True),
+    Metric("kld_p99_9", "drift", "lower", "p99.9 KLD", ".3f", "drift", "nats", None, True),
     Metric("kld_max", "drift", "lower", "max KLD", ".3f", "drift", "nats", None, True),
     Metric("top1_agreement", "drift", "higher", "top-1 agreement", ".1%", "drift", "", "top1_agreement", True),
     Metric("delta_nll", "drift", "lower", "ΔNLL", "+.3f", "drift", "nats", "delta_nll", True),
+    # Δp: change in the probability of the reference's token, variant minus reference (llama.cpp's KLD tool)
+    Metric("delta_p_mean", "drift", "higher", "mean Δp", "+.2%", "drift", "", None, True),
+    Metric("delta_p_rms", "drift", "lower", "RMS Δp", ".2%", "drift", "", None, True),
     Metric("tail_mass_mean", "drift", None, "reference tail mass outside top-K", ".2%", "drift", "", None, True),
     Metric("scored_tokens", "drift", None, "scored tokens", "d", "drift", "tokens", None, True, integer=True),
     Metric("pass_rate", "drift", "higher", "pass rate", ".0%", "free", "", "pass_rate", True),

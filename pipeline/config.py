@@ -264,11 +264,24 @@ class DecisionConfig:
     # Objective values within this fraction of the best are a tie (speed figures move by several % between runs);
     # a tie goes to the variant with the lower mean KLD.
     tie_tolerance: float = 0.05
+    # point: judge constraints on point estimates; upper: on the 95 % interval where the figure has one (a limit
+    # inside the interval leaves the variant "undecided": shown, never recommended).
+    confidence: str = "upper"
+    # Significance level of the paired tests the decision uses (speed ties over interleaved trials).
+    alpha: float = 0.05
+    # A variant whose checks fall below the original's in the conversation-level sign-flip test with p under this
+    # fails (null: off).
+    max_pass_drop_p: float | None = 0.05
     # A reply is flagged degenerate when either limit is crossed; flagged replies are counted per variant.
     degeneration: dict = field(default_factory=lambda: {"max_repeated_4gram_rate": 0.35, "max_loop_tokens": 32})
 
     def __post_init__(self) -> None:
         _one_of("decision.objective", self.objective, ("decode_speed", "memory", "size"))
+        _one_of("decision.confidence", self.confidence, ("point", "upper"))
+        for key in ("alpha", "max_pass_drop_p"):
+            x = getattr(self, key)
+            _require((x is None and key != "alpha") or (isinstance(x, (int, float)) and 0 < x < 1),
+                     f"decision.{key}", x, "a probability in (0, 1)" + (" or null" if key != "alpha" else ""))
         _require(isinstance(self.tie_tolerance, (int, float)) and 0 <= self.tie_tolerance < 1,
                  "decision.tie_tolerance", self.tie_tolerance, "a fraction in [0, 1)")
         for k in self.degeneration or {}:

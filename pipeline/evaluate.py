@@ -138,6 +138,23 @@ def _runtime_key(cfg: Config, artifact: Artifact) -> dict:
             "runtime_settings": runtime_class(variant.runtime).key_settings(cfg.runtime)}
 
 
+def reuses_reference(cfg: Config, artifact: Artifact, producer: dict) -> bool:
+    """The reference transcripts are the free-running output of the producer: a variant that runs exactly as the
+    producer did (same weights, runtime and runtime options) would repeat them, so it reuses them. "original" is
+    the reference by definition (the producer is the original itself or its F16 GGUF, held to it by the parity
+    check). Anything else, a KV-cache variant on the producer's weights included, generates its own replies."""
+    variant, made_by = cfg.variant, producer["variant"]
+    if variant.name == "original" and not runtime_class(variant.runtime).kv_cache_applied(variant.runtime_options):
+        return True
+    return (artifact.hash == producer["hash"] and variant.runtime == made_by.runtime
+            and _generation_options(variant.runtime_options) == _generation_options(made_by.runtime_options))
+
+
+def _generation_options(options: dict) -> dict:
+    """The runtime options that can change generated tokens (not where free-running is produced)."""
+    return {k: v for k, v in (options or {}).items() if k != "free_running"}
+
+
 def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, artifact: Artifact,
                      suites: dict[str, list[Conversation]], refs: dict[str, SuiteReference], producer: dict,
                      probe_prompt: list[int]) -> dict:
@@ -151,8 +168,7 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
         "probe_prompt": len(probe_prompt),
     }
     stop_ids = original.facts["eos_token_ids"]
-    # The reference transcripts are the free-running output of the producer; re-running it would repeat them.
-    reuse_reference = cfg.variant.name == "original" or artifact.hash == producer["hash"]
+    reuse_reference = reuses_reference(cfg, artifact, producer)
 
     def build(tmp: Path) -> dict:
         from pipeline.probe import probe_speed

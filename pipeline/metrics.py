@@ -71,6 +71,31 @@ def distribution(values: Sequence[float]) -> dict[str, float | int | None]:
     }
 
 
+# The percentiles llama.cpp's perplexity tool prints with --kl-divergence (KLD and Δp).
+KLD_PERCENTILES = (99.9, 99.0, 90.0, 50.0, 10.0, 5.0, 1.0)
+DELTA_P_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 75.0, 50.0, 25.0, 10.0, 5.0, 1.0, 0.1)
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float]) -> dict[str, float] | None:
+    """{"99.9": x, ...} (numpy's linear interpolation, as llama.cpp's sorted-index lookup approximates)."""
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return None
+    return {f"{q:g}": float(v) for q, v in zip(qs, np.percentile(arr, qs))}
+
+
+def delta_p(nll_reference: Sequence[float], nll_variant: Sequence[float]) -> dict | None:
+    """Δp as llama.cpp's KLD tool reports it: the change in the probability of the text's next token (here the
+    reference's own token), variant minus reference; its mean, RMS, extremes and percentiles."""
+    pr = np.exp(-np.asarray(nll_reference, dtype=np.float64))
+    pv = np.exp(-np.asarray(nll_variant, dtype=np.float64))
+    if pr.size == 0:
+        return None
+    d = pv - pr
+    return {"mean": float(d.mean()), "rms": float(np.sqrt(np.mean(d * d))), "min": float(d.min()),
+            "max": float(d.max()), "percentiles": percentiles(d, DELTA_P_PERCENTILES), "n": int(d.size)}
+
+
 def position_buckets(positions: Sequence[int], values: Sequence[float], width: int = 128) -> dict[str, dict]:
     """Group per-token values by output position: '0-128', '128-256', ..."""
     groups: dict[int, list[float]] = {}

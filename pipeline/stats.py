@@ -29,7 +29,8 @@ def bootstrap_ratio(numerators, denominators, seed: int = 0, replicates: int = R
     d = den[idx].sum(axis=1)
     ok = d > 0
     est = num.sum(axis=0) / den.sum()
-    reps = (num[idx].sum(axis=1) / (d[:, None] if num.ndim == 2 else d))[ok]
+    with np.errstate(divide="ignore", invalid="ignore"):      # replicates drawing only empty units are dropped
+        reps = (num[idx].sum(axis=1) / (d[:, None] if num.ndim == 2 else d))[ok]
     lo, hi = np.percentile(reps, [100 * (1 - level) / 2, 100 * (1 + level) / 2], axis=0)
     return {"estimate": est.tolist() if num.ndim == 2 else float(est),
             "low": lo.tolist() if num.ndim == 2 else float(lo), "high": hi.tolist() if num.ndim == 2 else float(hi),
@@ -70,4 +71,123 @@ def conversation_intervals(tf: dict, samples: list[dict], seed: int = 0) -> dict
                              checks[:, 2], seed)
         for i, name in enumerate(("pass_rate", "pass_rate_delta", "flip_rate")):
             out[name] = interval(ci["estimate"][i], ci["low"][i], ci["high"][i], ci["level"], ci["units"])
+        # the variant's passes over the original's, conversations resampled (absent when the original passes none)
+        ratio = bootstrap_ratio(checks[:, 0], checks[:, 1], seed)
+        if ratio is not None:
+            out["pass_rate_ratio"] = interval(ratio["estimate"], ratio["low"], ratio["high"], ratio["level"],
+                                              ratio["units"])
+    return out
+
+
+# ------------------------------------------------------------------ paired tests, order-statistic intervals, power
+
+ALPHA = 0.05
+Z_975, Z_80 = 1.959964, 0.841621     # two-sided 5 % and 80 % power (normal approximation)
+
+
+def sign_flip_p(diffs, seed: int = 0, exact_max: int = 16, samples: int = 20000) -> float | None:
+    """Two-sided p-value of a paired sign-flip permutation test on the mean of ``diffs`` (one per unit: a
+    conversation, a trial round). Under the null each difference is as likely negated: every one of the 2^n sign
+    patterns when n <= exact_max, else ``samples`` random ones (fixed seed). Zeros carry no sign and count as
+    such. None without a unit."""
+    d = np.asarray([x for x in diffs if x is not None], dtype=np.float64)
+    n = d.size
+    if n == 0:
+        return None
+    observed = abs(d.mean())
+    if observed == 0:
+        return 1.0
+    if n <= exact_max:
+        signs = 1 - 2 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)
+    else:
+        signs = np.random.default_rng(seed).choice((-1, 1), size=(samples, n))
+    means = np.abs((signs * d).mean(axis=1))
+    return float(np.mean(means >= observed - 1e-12 * max(observed, 1.0)))
+
+
+def median_interval(values, level: float = LEVEL) -> dict | None:
+    """The median with a distribution-free interval from order statistics: the narrowest symmetric pair
+    (x_(k), x_(n+1-k)) whose binomial coverage is at least ``level`` (the extremes when n is too small to reach
+    it; the coverage actually held is returned)."""
+    from math import comb
+
+    x = np.sort(np.asarray([v for v in values if v is not None], dtype=np.float64))
+    n = x.size
+    if n == 0:
+        return None
+    k, coverage = 1, 1.0 - 2 * 0.5 ** n
+    for j in range(1, n // 2 + 1):
+        cov = 1.0 - 2 * sum(comb(n, i) for i in range(j)) / 2 ** n
+        if cov >= level:
+            k, coverage = j, cov
+        else:
+            break
+    return {"estimate": float(np.median(x)), "low": float(x[k - 1]), "high": float(x[n - k]),
+            "level": float(coverage), "units": int(n), "method": "order statistics of trials"}
+
+
+def paired_ratio(a, b, seed: int = 0) -> dict | None:
+    """Trial-paired comparison of two positive figures (round r of a against round r of b): the median ratio
+    a/b, the order-statistic interval of the per-round ratios and the sign-flip p-value on their logs."""
+    pairs = [(x, y) for x, y in zip(a, b) if x and y and x > 0 and y > 0]
+    if not pairs:
+        return None
+    ratios = [x / y for x, y in pairs]
+    iv = median_interval(ratios)
+    return {"ratio": iv["estimate"], "low": iv["low"], "high": iv["high"], "rounds": len(pairs),
+            "p": sign_flip_p(np.log(ratios), seed)}
+
+
+def conversation_test(samples: list[dict], seed: int = 0) -> dict | None:
+    """Conversation-level paired test of the variant's checks against the original's: per conversation the
+    difference of pass rates (variant - original), a sign-flip permutation test on their mean. Unlike the
+    check-level McNemar it does not assume the checks of one conversation are independent."""
+    per: dict = {}
+    for s in samples:
+        p = per.setdefault((s["suite"], s["conversation"]), [0, 0, 0])
+        p[0] += sum(s["checks_variant"])
+        p[1] += sum(s["checks_reference"])
+        p[2] += len(s["checks_variant"])
+    diffs = [(v - r) / n for v, r, n in per.values() if n]
+    if not diffs:
+        return None
+    return {"conversations": len(diffs), "mean_difference": float(np.mean(diffs)),
+            "p": sign_flip_p(diffs, seed), "test": "sign-flip permutation on per-conversation pass-rate differences"}
+
+
+def minimum_detectable(samples: list[dict], tf: dict) -> dict:
+    """Per suite, what "no difference" is worth: the smallest pass-rate change and mean-KLD ratio that this
+    many conversations detect at 80 % power and 5 % two-sided (normal approximation, conversations as units).
+
+    Pass rate: SD of a per-conversation difference taken as sqrt(2) x the SD of the original's per-conversation
+    pass rates, floored by the binomial SD of a conversation's checks at the pooled rate. Mean-KLD ratio: the SD
+    of log per-conversation mean KLD of this variant, for a comparison of two variants (sqrt(2/n))."""
+    out: dict = {}
+    per: dict = {}
+    for s in samples:
+        per.setdefault(s["suite"], {}).setdefault(s["conversation"], [0, 0])
+        per[s["suite"]][s["conversation"]][0] += sum(s["checks_reference"])
+        per[s["suite"]][s["conversation"]][1] += len(s["checks_reference"])
+    z = Z_975 + Z_80
+    for suite, convs in per.items():
+        rows = [(p, n) for p, n in convs.values() if n]
+        if not rows:
+            continue
+        n_conv = len(rows)
+        rates = np.asarray([p / n for p, n in rows])
+        pooled = sum(p for p, _ in rows) / sum(n for _, n in rows)
+        pooled_c = min(max(pooled, 0.5 / sum(n for _, n in rows)), 1 - 0.5 / sum(n for _, n in rows))
+        binom = np.sqrt(pooled_c * (1 - pooled_c) / np.mean([n for _, n in rows]))
+        sd = max(np.sqrt(2) * (rates.std(ddof=1) if n_conv > 1 else 0.0), binom)
+        out[suite] = {"conversations": n_conv, "checks": int(sum(n for _, n in rows)),
+                      "reference_pass_rate": float(pooled), "mde_pass_rate": float(min(1.0, z * sd / np.sqrt(n_conv)))}
+    for suite, convs in tf.items():
+        means = [float(np.mean(c["kld"])) for c in convs.values() if len(c["kld"])]
+        means = [m for m in means if m > 0]
+        if len(means) > 1:
+            s = float(np.std(np.log(means), ddof=1))
+            out.setdefault(suite, {"conversations": len(means)})["mde_kld_ratio"] = float(
+                np.exp(z * s * np.sqrt(2 / len(means))))
+        elif suite in out:
+            out[suite]["mde_kld_ratio"] = None
     return out

@@ -94,3 +94,107 @@ def test_decision_presets_compose(preset):
 
     d = compose([f"decision={preset}"]).decision
     assert d.name == preset and np.isfinite(d.max_kld_mean)
+
+
+# ------------------------------------------------------------------ intervals, not noise (issue 12)
+
+from pipeline.stats import median_interval, minimum_detectable, paired_ratio, sign_flip_p  # noqa: E402
+
+
+def test_sign_flip_test_is_exact_and_symmetric():
+    assert sign_flip_p([1.0] * 6) == pytest.approx(2 / 64)          # all six the same sign: the two extreme patterns
+    assert sign_flip_p([1.0] * 5) == pytest.approx(2 / 32)          # five rounds can never reach 5 %
+    assert sign_flip_p([1.0, -1.0, 1.0, -1.0]) == 1.0
+    assert sign_flip_p([0.0, 0.0]) == 1.0 and sign_flip_p([]) is None
+    big = sign_flip_p(np.linspace(0.1, 2.0, 30))                    # sampled patterns beyond 16 units
+    assert big < 0.001
+    assert sign_flip_p([0.3, -0.2, 0.5]) == sign_flip_p([-0.3, 0.2, -0.5])
+
+
+def test_median_interval_has_the_stated_coverage():
+    iv = median_interval([5, 1, 4, 2, 3, 6])
+    assert iv["estimate"] == 3.5 and (iv["low"], iv["high"]) == (1, 6) and iv["level"] == pytest.approx(62 / 64)
+    iv = median_interval(range(1, 21))          # n=20: (x_6, x_15) holds 95.9 %
+    assert (iv["low"], iv["high"]) == (6, 15) and iv["level"] >= 0.95
+    assert median_interval([]) is None
+
+
+def test_paired_ratio_over_rounds():
+    a = [100, 104, 98, 101, 99, 103]
+    t = paired_ratio([x * 1.2 for x in a], a)
+    assert t["ratio"] == pytest.approx(1.2) and t["p"] == pytest.approx(2 / 64) and t["rounds"] == 6
+    noise = paired_ratio([100, 97, 103, 99, 104, 96], a)
+    assert noise["p"] > 0.05 and noise["low"] < 1 < noise["high"]
+
+
+def _with(v, **intervals):
+    v["intervals"] = {k: {"estimate": e, "low": lo, "high": hi} for k, (e, lo, hi) in intervals.items()}
+    return v
+
+
+def test_upper_confidence_leaves_a_straddling_variant_undecided():
+    variants = {"original": _variant(0.0, 20, 900),
+                "straddles": _with(_variant(0.08, 90, 200), kld_mean=(0.08, 0.05, 0.12)),
+                "clear": _with(_variant(0.03, 60, 300), kld_mean=(0.03, 0.02, 0.04)),
+                "over": _with(_variant(0.2, 99, 100), kld_mean=(0.2, 0.15, 0.3))}
+    rec = decide(variants, DecisionConfig(max_kld_mean=0.1))
+    assert rec["variant"] == "clear" and rec["undecided"] == ["straddles"]
+    assert rec["reasons"]["straddles"].startswith("undecided: mean KLD 0.0800 [0.0500, 0.1200]")
+    assert "straddles the limit" in rec["reasons"]["straddles"]
+    assert rec["reasons"]["over"].startswith("fails constraint: mean KLD 0.2000 [0.1500, 0.3000] > 0.1000")
+    point = decide(variants, DecisionConfig(max_kld_mean=0.1, confidence="point"))
+    assert point["variant"] == "straddles" and point["undecided"] == []
+    only = decide({"straddles": variants["straddles"]}, DecisionConfig(max_kld_mean=0.1))
+    assert only["variant"] is None and "1 undecided: straddles" in only["summary"]
+
+
+def test_pass_rate_ratio_not_measurable_is_reported_not_dropped():
+    v = _with(_variant(0.01, 50, 100), pass_rate_ratio=(0.5, 0.2, 0.9))
+    rec = decide({"a": v}, DecisionConfig(min_pass_rate_ratio=0.95))
+    assert rec["variant"] is None and "pass rate 50% [20%, 90%] of the original's < 95%" in rec["reasons"]["a"]
+    blind = _variant(0.01, 50, 100)
+    blind["intervals"] = {}                      # the original passes no check: no ratio
+    rec = decide({"a": blind}, DecisionConfig(min_pass_rate_ratio=0.95))
+    assert rec["variant"] == "a" and "not measurable" in rec["summary"]
+    assert rec["not_measurable"]["a"] == ["pass-rate ratio not measurable: the original passes none of the checks"]
+
+
+def test_speed_ties_are_decided_by_the_paired_test_over_trials():
+    def trials(v, values):
+        v["speed_trials"] = {"values": {"decode_tokens_per_s": values}}
+        return v
+
+    base = [100, 130, 90, 120, 95, 125]
+    variants = {"a": trials(_variant(0.05, 110, 200), base),
+                "noisy_faster": trials(_variant(0.01, 114, 200), [x * f for x, f in
+                                                                  zip(base, (1.3, 0.85, 1.25, 0.85, 1.2, 0.95))]),
+                "slower": trials(_variant(0.0, 80, 200), [x * 0.7 for x in base])}
+    rec = decide(variants, DecisionConfig(tie_tolerance=0.0))
+    # 'noisy_faster' leads on the median but is not significantly different from 'a': a tie, lowest drift wins
+    assert rec["variant"] == "noisy_faster" and "ties: a" in rec["summary"]
+    assert "sign-flip p=" in rec["reasons"]["a"]
+    assert rec["ties"]["slower"]["p"] == pytest.approx(2 / 64) and not rec["ties"]["slower"]["tied"]
+    assert "is lower than" in rec["reasons"]["slower"]
+
+
+def test_a_significant_drop_of_checks_at_conversation_level_fails():
+    samples = [_sample("s", f"c{i}", [True, True], [False, False]) for i in range(6)]
+    fr = free_running_figures(samples)
+    assert fr["conversation_test"]["p"] == pytest.approx(2 / 64) and fr["conversation_test"]["mean_difference"] == -1
+    v = _variant(0.01, 50, 100)
+    v["free_running"] = fr
+    rec = decide({"a": v}, DecisionConfig())
+    assert rec["variant"] is None and "checks significantly worse" in rec["reasons"]["a"]
+    assert decide({"a": v}, DecisionConfig(max_pass_drop_p=None))["variant"] == "a"
+
+
+def test_minimum_detectable_effect_shrinks_with_more_conversations():
+    def run(n):
+        samples = [_sample("s", f"c{i}", [i % 2 == 0, True], [True, True]) for i in range(n)]
+        tf = {"s": {f"c{i}": {"kld": [0.01 * (1 + i % 3)] * 4} for i in range(n)}}
+        return minimum_detectable(samples, tf)["s"]
+
+    few, many = run(4), run(16)
+    assert few["conversations"] == 4 and few["reference_pass_rate"] == pytest.approx(0.75)
+    assert 0 < many["mde_pass_rate"] < few["mde_pass_rate"] <= 1
+    assert 1 < many["mde_kld_ratio"] < few["mde_kld_ratio"]
