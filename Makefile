@@ -48,7 +48,7 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare report test bench clean-venv converter llama-wheel browser nightly promote print-variants print-suites print-model-args
+.PHONY: setup compare report test bench clean-venv converter llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools
 
 setup: $(VENV)/.installed
 
@@ -71,6 +71,30 @@ $(LLAMA_WHEELS)/.built:
 	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) wheel --no-deps --no-cache-dir llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(LLAMA_WHEELS)
 	touch $@
 
+# llama.cpp's own tools (llama-perplexity, llama-bench, llama-batched-bench, llama-server, llama-quantize,
+# llama-imatrix), built from the same vendored llama.cpp as the wheel, with the same portable CPU flags, kept
+# outside the project like the wheel (5-15 min on two cores, once per machine). Never committed.
+LLAMA_TOOLS ?= $(HOME)/.cache/quantdrift/llama-tools/$(LLAMA_CPP_VERSION)-$(TORCH)
+LLAMA_TOOL_TARGETS ?= llama-perplexity llama-bench llama-batched-bench llama-server llama-quantize llama-imatrix
+llama-tools: $(LLAMA_TOOLS)/.built
+$(LLAMA_TOOLS)/.built:
+	mkdir -p $(CACHE)/sdist $(LLAMA_TOOLS)
+	test -f $(CACHE)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz || \
+	  $(PYTHON) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(CACHE)/sdist
+	rm -rf $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/build && mkdir -p $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/bin
+	tar -xzf $(CACHE)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_TOOLS)/src --strip-components=3 \
+	  llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp
+	@echo "building llama.cpp tools $(LLAMA_TOOL_TARGETS) (5-15 min on 2 cores, once per machine)"
+	cmake -S $(LLAMA_TOOLS)/src -B $(LLAMA_TOOLS)/build -G Ninja -DCMAKE_BUILD_TYPE=Release $(LLAMA_CMAKE) \
+	  -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON > $(LLAMA_TOOLS)/cmake.log
+	cmake --build $(LLAMA_TOOLS)/build -j2 --target $(LLAMA_TOOL_TARGETS) > $(LLAMA_TOOLS)/build.log
+	cp $(addprefix $(LLAMA_TOOLS)/build/bin/,$(LLAMA_TOOL_TARGETS)) $(LLAMA_TOOLS)/bin/
+	rm -rf $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/build
+	touch $@
+print-llama-tools:
+	@echo $(LLAMA_TOOLS)/bin
+
 # llama.cpp's HF->GGUF converter and its gguf-py live only in the sdist of the installed release.
 converter: $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py
 $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py:
@@ -89,7 +113,7 @@ compare: setup
 report: setup
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 
-test: setup browser
+test: setup browser llama-tools
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # Headless Chromium renders report.html in a test. Debian's package, installed when missing and we may (root);

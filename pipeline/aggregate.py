@@ -9,6 +9,7 @@ import numpy as np
 from pipeline import metrics
 from pipeline.catalogue import SCHEMA_VERSION, section_values
 from pipeline.runtimes import runtime_class
+from pipeline.speed import trial_figures
 from pipeline.stats import conversation_intervals, conversation_test, minimum_detectable
 from pipeline.store import read_json, read_jsonl
 
@@ -231,8 +232,9 @@ def roofline(v: dict, bandwidth: dict | None) -> dict | None:
 
 
 def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: dict | None = None,
-                    seed: int = 0) -> dict:
-    """The summary.json entry for one variant, from its result file and evaluation directory. A result written
+                    seed: int = 0, trials: list[dict] | None = None) -> dict:
+    """The summary.json entry for one variant, from its result file, its evaluation directory and its speed
+    trials (``pipeline.speed``: one per round; None when the speed stage has not run). A result written
     under another summary schema is reported as skipped (rerunning the comparison recomputes it: the evaluation
     stage's key holds the schema version), never read with the wrong layout."""
     if result["status"] == "ok" and result.get("schema_version", 1) != SCHEMA_VERSION:
@@ -245,17 +247,24 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
     ev_dir = Path(result["evaluation"]["dir"])
     tf = read_json(ev_dir / "teacher_forced.json")
     samples = read_jsonl(ev_dir / "samples.jsonl")
-    speed = read_json(ev_dir / "speed.json")
+    timing = trial_figures(trials)
+    speed = {**timing["medians"], **{k: timing[k] for k in ("prompt_tokens", "decode_tokens", "repeats", "load_s",
+                                                           "trials", "noisy_trials", "cpu_noise")}}
     drift = drift_figures(tf)
+    exactness = result["evaluation"].get("kld_exactness") or {}
+    ex = [e for e in exactness.values() if e and e.get("kld_exact_mean") is not None]
+    exact_sum = sum(e["kld_exact_mean"] * e["tokens"] for e in ex)
+    drift["kld_stored_exact_ratio"] = (sum(e["kld_stored_mean"] * e["tokens"] for e in ex) / exact_sum
+                                       if exact_sum > 0 else None)
     free = free_running_figures(samples, degeneration, seed)
     recall = recall_figures(tf, samples)
     intervals = conversation_intervals(tf, samples, seed)
     facts = result["model"]["facts"]
-    info = speed.get("runtime_info") or {}
+    info = result["evaluation"].get("runtime_info") or timing["runtime_info"] or {}
     info_a = result["artifact"]["info"]
     runtime = runtime_class(result["runtime"])
     formula = kv_bytes_per_token_formula(facts, runtime.cache_element_bytes(info, facts["head_dim"]))
-    kv = speed.get("kv_reported")
+    kv = timing["kv_reported"]
     reported = kv_reported_per_token(kv)
     gap = abs(reported - formula) / formula if reported else None
     memory = {
@@ -273,16 +282,18 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         "kernel": info.get("kernel"),
         "runtime_info": info,
         "drift": section_values("drift", sources),
-        "intervals": intervals,
-        "drift_detail": {k: drift[k] for k in ("kld_by_position", "kld_by_turn", "kld_by_suite", "kld_percentiles",
-                                                "delta_p")},
+        "intervals": {**intervals, **timing["intervals"]},
+        "speed_trials": {"rounds": len(trials or []), "values": timing["values"],
+                         "failed": timing["failed_trials"]},
+        "drift_detail": {**{k: drift[k] for k in ("kld_by_position", "kld_by_turn", "kld_by_suite",
+                                                   "kld_percentiles", "delta_p")}, "kld_exactness": exactness or None},
         "free_running": {**free, "source": result["evaluation"].get("free_running_source")},
         "recall": recall,
         "power": minimum_detectable(samples, tf),
         "deployment": deployment_figures(result.get("deployment"), samples),
         "speed": {**section_values("speed", sources),
-                  **{k: speed.get(k) for k in ("prompt_tokens", "decode_tokens", "repeats", "cpu_noise", "noisy",
-                                               "load_s")}},
+                  **{k: speed.get(k) for k in ("prompt_tokens", "decode_tokens", "repeats", "cpu_noise", "trials",
+                                               "noisy_trials", "load_s")}},
         "memory": {
             **section_values("memory", sources),
             "kv_reported_source": (kv or {}).get("source") if not (kv or {}).get("allocated_bytes")
@@ -298,7 +309,8 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
                      "quantize_peak_rss_mb": info_a.get("quantize_peak_rss_mb")},
         "paths": {
             "teacher_forced": f"{result['runtime']} ({info.get('kernel')})",
-            "speed_memory": f"{result['runtime']} ({info.get('kernel')}), fresh process",
+            "speed_memory": f"{result['runtime']} ({info.get('kernel')}), {timing['trials']} interleaved trials, "
+                            "a fresh process each",
             "free_running": result["evaluation"].get("free_running_source"),
             "dequantized_check": result["evaluation"].get("dequantized_check"),
         },

@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # 2: the metric catalogue (tail mass of the reference's top-K, the deployment path, tokenizer divergence).
-SCHEMA_VERSION = 2
+# 3: speed and peak RSS from interleaved trials with intervals (and the A/A noise floor), p99.9 KLD and Δp,
+#    the pass-rate ratio interval, the conversation-level test and minimum detectable effects.
+SCHEMA_VERSION = 3
 # Summaries the gate still reads: a metric that one side lacks is reported as "not compared", never a regression.
-READABLE_SCHEMA_VERSIONS = (1, 2)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 SECTIONS = ("drift", "speed", "memory")
 
 
@@ -27,7 +29,8 @@ class Metric:
     fmt: str                        # format spec for tables
     source: str                     # which figures aggregate computes it in: drift | free | speed | memory
     unit: str = ""
-    interval: str | None = None     # key in the variant's "intervals" (95 % bootstrap over conversations)
+    interval: str | None = None     # key in the variant's "intervals" (95 %: bootstrap over conversations for
+                                    # drift, order statistics over interleaved trials for speed and peak RSS)
     hardware_independent: bool = False   # compared against a baseline from other hardware too
     integer: bool = False
     # How tables show it: value x display_scale in display_unit (fmt applies to the scaled value).
@@ -55,19 +58,25 @@ METRICS: tuple[Metric, ...] = (
     # Δp: change in the probability of the reference's token, variant minus reference (llama.cpp's KLD tool)
     Metric("delta_p_mean", "drift", "higher", "mean Δp", "+.2%", "drift", "", None, True),
     Metric("delta_p_rms", "drift", "lower", "RMS Δp", ".2%", "drift", "", None, True),
+    # the stored KLD over the exact full-vocabulary KLD on a sample of positions per suite (1: exact)
+    Metric("kld_stored_exact_ratio", "drift", None, "stored / exact KLD (sample)", ".3f", "drift", "", None, True),
     Metric("tail_mass_mean", "drift", None, "reference tail mass outside top-K", ".2%", "drift", "", None, True),
     Metric("scored_tokens", "drift", None, "scored tokens", "d", "drift", "tokens", None, True, integer=True),
     Metric("pass_rate", "drift", "higher", "pass rate", ".0%", "free", "", "pass_rate", True),
     Metric("flip_rate", "drift", "lower", "flip rate", ".1%", "free", "", "flip_rate", True),
-    Metric("ttft_s", "speed", "lower", "TTFT", ".3f", "speed", "s"),
-    Metric("prefill_tokens_per_s", "speed", "higher", "prefill tok/s", ".0f", "speed", "tokens/s"),
-    Metric("decode_tokens_per_s", "speed", "higher", "decode tok/s", ".1f", "speed", "tokens/s"),
-    Metric("itl_p50_s", "speed", "lower", "ITL p50", ".1f", "speed", "s", display_scale=1000, display_unit="ms"),
-    Metric("itl_p99_s", "speed", "lower", "ITL p99", ".1f", "speed", "s", display_scale=1000, display_unit="ms"),
+    Metric("ttft_s", "speed", "lower", "TTFT", ".3f", "speed", "s", "ttft_s"),
+    Metric("prefill_tokens_per_s", "speed", "higher", "prefill tok/s", ".0f", "speed", "tokens/s",
+           "prefill_tokens_per_s"),
+    Metric("decode_tokens_per_s", "speed", "higher", "decode tok/s", ".1f", "speed", "tokens/s",
+           "decode_tokens_per_s"),
+    Metric("itl_p50_s", "speed", "lower", "ITL p50", ".1f", "speed", "s", "itl_p50_s", display_scale=1000,
+           display_unit="ms"),
+    Metric("itl_p99_s", "speed", "lower", "ITL p99", ".1f", "speed", "s", "itl_p99_s", display_scale=1000,
+           display_unit="ms"),
     # file sizes move with the quantizer's version, so they are compared only in the same environment
     Metric("artifact_bytes", "memory", "lower", "artifact size", ".1f", "memory", "bytes", integer=True,
            display_scale=1 / 2**20, display_unit="MiB"),
-    Metric("peak_rss_mb", "memory", "lower", "peak RSS", ".0f", "memory", "MB"),
+    Metric("peak_rss_mb", "memory", "lower", "peak RSS", ".0f", "memory", "MB", "peak_rss_mb"),
     Metric("kv_bytes_per_token", "memory", "lower", "KV bytes/token", ".0f", "memory", "bytes", None, True),
     Metric("kv_bytes_per_token_reported", "memory", None, "KV bytes/token (runtime)", ".0f", "memory", "bytes"),
 )
@@ -76,8 +85,8 @@ BY_NAME = {m.name: m for m in METRICS}
 # Descriptive fields of the sections (settings and provenance, not judged), with their JSON types.
 SECTION_FIELDS = {
     "speed": {"prompt_tokens": ["integer", "null"], "decode_tokens": ["integer", "null"],
-              "repeats": ["integer", "null"], "cpu_noise": ["number", "null"], "noisy": ["boolean", "null"],
-              "load_s": ["number", "null"]},
+              "repeats": ["integer", "null"], "cpu_noise": ["number", "null"], "trials": ["integer", "null"],
+              "noisy_trials": ["integer", "null"], "load_s": ["number", "null"]},
     "memory": {"kv_reported_source": ["string", "null"], "kv_cache": ["string", "null"],
                "kv_formula_gap": ["number", "null"], "kv_gap_flagged": "boolean"},
     "drift": {},

@@ -20,7 +20,7 @@ from pipeline.config import PROJECT_ROOT, Config, ConfigError, register_resolver
 
 log = logging.getLogger("quantdrift")
 
-_CORPUS_SHORTHAND = ("file", "ctx", "json", "max_chunks")
+_CORPUS_SHORTHAND = ("file", "ctx", "json", "max_chunks", "baseline")
 EXIT_BAD_INPUT = 2
 EXIT_VARIANT_FAILED = 3
 

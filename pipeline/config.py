@@ -169,13 +169,20 @@ class CapacityConfig:
 class SpeedConfig:
     prompt_tokens: int = 256
     decode_tokens: int = 64
-    repeats: int = 3
+    repeats: int = 1             # timed generations per trial (the trial's figure is their median)
     warmup: int = 1
     # Other processes' share of CPU time above which a speed figure is flagged noisy and re-measured once.
     max_cpu_noise: float = 0.15
+    # Rounds of interleaved trials (every variant once per round, a fresh process per trial, the order rotated
+    # each round). A paired sign-flip test needs 6 rounds to reach p < 0.05 at all.
+    trials: int = 6
+    # The A/A noise floor: the control variant (auto: the first evaluated variant of the run) measured a second
+    # time each round under another label; the two must come out tied.
+    aa: bool = True
+    control: str = "auto"
 
     def __post_init__(self) -> None:
-        for key in ("prompt_tokens", "decode_tokens", "repeats"):
+        for key in ("prompt_tokens", "decode_tokens", "repeats", "trials"):
             _positive_int(f"profile.speed.{key}", getattr(self, key))
 
 
@@ -341,6 +348,12 @@ class CorpusConfig:
     ctx: int = 512
     json: bool = False
     max_chunks: int | None = None
+    # the distribution KLD is measured from: original (the checkpoint on transformers) or f16 (the F16 GGUF on
+    # llama.cpp, as llama-perplexity's --kl-divergence-base)
+    baseline: str = "original"
+
+    def __post_init__(self) -> None:
+        _one_of("corpus.baseline", self.baseline, ("original", "f16"))
 
 
 @dataclass

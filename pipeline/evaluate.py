@@ -1,7 +1,7 @@
 """Stage 4, evaluate one variant against the reference:
 (a) teacher-forced on the reference's exact token ids -> token-level drift (KLD, top-1, delta NLL),
 (b) free-running on the same conversations -> checks, flips, chrF, divergence, degeneration,
-(c) a speed and memory probe in a clean subprocess.
+speed and memory are measured after the sweep, every variant in interleaved trials (``pipeline.speed``).
 """
 
 from __future__ import annotations
@@ -96,6 +96,36 @@ def proxy_check(kernel_rt, proxy_rt, ref: SuiteReference, top_k: int) -> dict:
             "limits": {"max_kld_gap": PROXY_MAX_KLD_GAP, "min_top1_agreement": PROXY_MIN_TOP1_AGREEMENT}}
 
 
+EXACT_SAMPLE_TOKENS = 256
+
+
+def exact_sample(ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> tuple[dict, np.ndarray]:
+    """The longest scored transcript of the suite and n reply positions spread evenly over it (late positions,
+    where drift grows, are sampled as much as early ones)."""
+    tr = max((t for t in ref.transcripts if t["id"] in ref.scores), key=lambda t: len(ref.scores[t["id"]]["pos"]))
+    total = len(ref.scores[tr["id"]]["pos"])
+    idx = np.unique(np.linspace(0, total - 1, min(n, total)).round().astype(np.int64))
+    return tr, idx
+
+
+def kld_exactness(variant_rt, original_rt, ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> dict:
+    """The stored KLD (the original's top-K + one tail bucket) against the exact full-vocabulary KLD on a sample
+    of reference positions: both from the same full distributions of the original (transformers) and of the
+    variant (its own runtime), so the ratio is the stored figure's own error."""
+    tr, idx = exact_sample(ref, n)
+    s = ref.scores[tr["id"]]
+    pos = s["pos"][idx]
+    lp_ref = original_rt.logprobs(tr["ids"], pos.tolist())
+    lp_var = variant_rt.logprobs(tr["ids"], pos.tolist())
+    exact = metrics.kld_full(lp_ref, lp_var)
+    ids = s["topk_ids"][idx].astype(np.int64)
+    stored = metrics.kld_topk_tail(s["topk_lp"][idx], s["tail"][idx], np.take_along_axis(lp_var, ids, axis=1))
+    e, st = float(exact.mean()), float(stored.mean())
+    return {"sample": f"{ref.suite}/{tr['id']}", "tokens": int(len(idx)), "top_k": int(ids.shape[1]),
+            "kld_exact_mean": e, "kld_stored_mean": st, "ratio": (st / e) if e > 0 else None,
+            "tail_mass_mean": float(np.exp(s["tail"][idx].astype(np.float64)).mean())}
+
+
 def dequantized_proxy(cfg: Config, artifact: Artifact) -> Path:
     """An F16 GGUF of the quantized model's exact dequantized weights (cached beside the artifact)."""
     from pipeline.quantizers.dequant import write_dense_checkpoint
@@ -156,34 +186,47 @@ def _generation_options(options: dict) -> dict:
 
 
 def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, artifact: Artifact,
-                     suites: dict[str, list[Conversation]], refs: dict[str, SuiteReference], producer: dict,
-                     probe_prompt: list[int]) -> dict:
-    """Runs (a), (b), (c) for cfg.variant, resumable per conversation. Returns the variant's raw result."""
+                     suites: dict[str, list[Conversation]], refs: dict[str, SuiteReference], producer: dict) -> dict:
+    """Runs (a) and (b) for cfg.variant, resumable per conversation. Returns the variant's raw result."""
     variant = cfg.variant
     out_dir = cfg.model_dir / "runs" / cfg.run.name / variant.name
     key = {
         "schema_version": SCHEMA_VERSION,    # an evaluation from another contract is recomputed, never misread
         **_runtime_key(cfg, artifact),
-        "references": {s: r.hash for s, r in refs.items()}, "speed": cfg.profile.speed.__dict__,
-        "probe_prompt": len(probe_prompt),
+        "references": {s: r.hash for s, r in refs.items()},
     }
     stop_ids = original.facts["eos_token_ids"]
     reuse_reference = reuses_reference(cfg, artifact, producer)
 
     def build(tmp: Path) -> dict:
-        from pipeline.probe import probe_speed
-
         tf_journal = Journal(out_dir, "teacher_forced", key)
         fr_journal = Journal(out_dir, "free_running", key)
+        ex_journal = Journal(out_dir, "kld_exactness", key)
         need_tf = [s for s in refs if s not in tf_journal]
         need_fr = [] if reuse_reference else [s for s in refs if s not in fr_journal]
-        if need_tf or need_fr:
+        # the stored KLD against the exact one on a sample: the variant needs full logits, and the original on
+        # transformers against itself measures nothing
+        from pipeline.config import VariantConfig
+
+        plain_original = VariantConfig(name="original")
+        exact_ok = (runtime_class(variant.runtime).full_logits and not (
+            variant.runtime == plain_original.runtime and artifact.hash == original.hash
+            and not runtime_class(variant.runtime).kv_cache_applied(variant.runtime_options)))
+        need_ex = [s for s in refs if s not in ex_journal and refs[s].scores] if exact_ok else []
+        if need_tf or need_fr or need_ex:
             need = max(context_needed(suites[s], renderer, refs[s].transcripts) for s in refs)
             rt = load_runtime(variant, artifact.path, cfg,
                               n_ctx=n_ctx_for(need, original.facts.get("context_length")))
             info = rt.info
             for s in need_tf:
                 tf_journal.add(s, teacher_forced(rt, refs[s], cfg.reference.top_k))
+            if need_ex:
+                hf = load_runtime(plain_original, original.checkpoint, cfg)
+                try:
+                    for s in need_ex:
+                        ex_journal.add(s, kld_exactness(rt, hf, refs[s]))
+                finally:
+                    hf.close()
             gen_rt, fr_note = rt, None
             # The stand-in runs on llama.cpp, whose cache is not the hf int8 cache: a KV variant uses the kernel.
             if need_fr and variant.runtime_options.get("free_running") == "dequantized" \
@@ -221,10 +264,8 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
             for cid, c in convs.items():
                 if cid in meta[s]:
                     c["meta"] = meta[s][cid]
-        speed = probe_speed(cfg, variant, artifact, probe_prompt)
         write_json(tmp / "teacher_forced.json", tf_all)
         write_jsonl(tmp / "samples.jsonl", samples)
-        write_json(tmp / "speed.json", speed)
         path_note = fr_journal.get("_path") if "_path" in fr_journal else None
         if reuse_reference:
             source = f"reference transcripts ({producer['name']})"
@@ -232,7 +273,12 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
             source = "dequantized weights as F16 GGUF on llama.cpp (checked against the kernel)"
         else:
             source = f"{variant.name} on {variant.runtime} (real kernel)"
-        return {"runtime_info": info or speed.get("runtime_info"), "free_running_source": source,
+        if info is None:       # resumed with every journal complete: load once more for the runtime's facts
+            rt = load_runtime(variant, artifact.path, cfg, n_ctx=512)
+            info = rt.info
+            rt.close()
+        exactness = {s: ex_journal.get(s) for s in refs if s in ex_journal}
+        return {"runtime_info": info, "free_running_source": source, "kld_exactness": exactness or None,
                 "dequantized_check": path_note}
 
     manifest = run_stage(f"evaluate:{variant.name}", out_dir, key, build, force=cfg.force)
@@ -240,7 +286,6 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
         "manifest": manifest,
         "teacher_forced": read_json(out_dir / "teacher_forced.json"),
         "samples_path": str(out_dir / "samples.jsonl"),
-        "speed": read_json(out_dir / "speed.json"),
     }
 
 

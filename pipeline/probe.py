@@ -1,10 +1,11 @@
 """Speed and memory probe, run in a fresh subprocess per variant so that peak RSS belongs to that variant alone
 and nothing loaded earlier in the parent (another model, a warm allocator) colours the numbers.
 
-Protocol: load, ``warmup`` untimed generations, then ``repeats`` cold generations (cache reset) of exactly
-``decode_tokens`` tokens from a fixed ``prompt_tokens`` prompt. Prefill (TTFT) and decode are reported
-separately: prefill is compute-bound, decode memory-bound. The CPU time other processes used meanwhile is
-measured from /proc/stat; a noisy probe is repeated once and flagged if still noisy.
+Protocol of one trial: load, ``warmup`` untimed generations, then ``repeats`` cold generations (cache reset)
+of exactly ``decode_tokens`` tokens from a fixed ``prompt_tokens`` prompt; the trial's figures are the medians
+of its repeats. Prefill (TTFT) and decode are reported separately: prefill is compute-bound, decode
+memory-bound. The CPU time other processes used meanwhile is measured from /proc/stat; a noisy trial is
+repeated once and flagged if still noisy. ``pipeline.speed`` runs the trials of all variants interleaved.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def _run_child(spec: dict, timeout_s: float) -> tuple[dict, float | None]:
     return result, noise
 
 
-def probe_speed(cfg, variant, artifact, prompt_ids: list[int]) -> dict:
+def probe_spec(cfg, variant, artifact, prompt_ids: list[int]) -> dict:
+    """Everything one speed trial of this variant needs, JSON-ready (kept in the variant's result file, so the
+    run-level speed stage can measure every variant in interleaved trials after the sweep)."""
     sp = cfg.profile.speed
-    spec = {
+    return {
         "runtime": variant.runtime,
         "artifact": str(artifact.path),
         "options": {**variant.runtime_options,
@@ -74,16 +77,27 @@ def probe_speed(cfg, variant, artifact, prompt_ids: list[int]) -> dict:
         "repeats": sp.repeats,
         "warmup": sp.warmup,
     }
+
+
+def run_trial(spec: dict, max_cpu_noise: float, label: str = "") -> dict:
+    """One trial: a fresh process loads the variant and measures it. A trial during which other processes used
+    more than ``max_cpu_noise`` of the CPU is measured once more (the quieter of the two is kept, flagged when
+    still noisy)."""
     result, noise = _run_child(spec, timeout_s=3600)
-    if noise is not None and noise > sp.max_cpu_noise:
-        log.warning("%s: other processes used %.0f%% of the CPU during the speed probe; measuring again",
-                    variant.name, 100 * noise)
+    if noise is not None and noise > max_cpu_noise:
+        log.warning("%s: other processes used %.0f%% of the CPU during the speed trial; measuring again",
+                    label or spec["runtime"], 100 * noise)
         retry, retry_noise = _run_child(spec, timeout_s=3600)
         if retry_noise is None or retry_noise < noise:
             result, noise = retry, retry_noise
     result["cpu_noise"] = noise
-    result["noisy"] = bool(noise is not None and noise > sp.max_cpu_noise)
+    result["noisy"] = bool(noise is not None and noise > max_cpu_noise)
     return result
+
+
+def probe_speed(cfg, variant, artifact, prompt_ids: list[int]) -> dict:
+    """One trial of cfg.variant (``make bench``)."""
+    return run_trial(probe_spec(cfg, variant, artifact, prompt_ids), cfg.profile.speed.max_cpu_noise, variant.name)
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -62,9 +62,11 @@ def compare_metric(metric: str, new_v: dict, base_v: dict, tol: dict) -> tuple[b
     if "ratio" in tol:
         limit = tol["ratio"] * base
         bad = new < limit if better == "higher" else new > base / max(tol["ratio"], 1e-12)
-        return bad, f"{new:.6g} vs baseline {base:.6g} (ratio {new / base if base else float('inf'):.2f}, limit {tol['ratio']})"
-    allowed = max(tol.get("abs", 0.0), tol.get("rel", 0.0) * abs(base))
-    bad = worse_by > allowed + 1e-12
+        text = f"{new:.6g} vs baseline {base:.6g} (ratio {new / base if base else float('inf'):.2f}, limit {tol['ratio']})"
+    else:
+        allowed = max(tol.get("abs", 0.0), tol.get("rel", 0.0) * abs(base))
+        bad = worse_by > allowed + 1e-12
+        text = f"{new:.6g} vs baseline {base:.6g} (worse by {worse_by:+.4g}, allowed {allowed:.4g})"
     note = ""
     if bad and tol.get("interval"):
         iv = (new_v.get("intervals") or {}).get(m.interval or "")
@@ -74,7 +76,7 @@ def compare_metric(metric: str, new_v: dict, base_v: dict, tol: dict) -> tuple[b
             if not excludes:
                 bad = False
                 note = f"; within the 95% interval [{iv['low']:.4g}, {iv['high']:.4g}]"
-    return bad, f"{new:.6g} vs baseline {base:.6g} (worse by {worse_by:+.4g}, allowed {allowed:.4g}){note}"
+    return bad, text + note
 
 
 def environment_matches(new: dict, base: dict) -> tuple[bool, str]:

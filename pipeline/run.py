@@ -133,11 +133,11 @@ def evaluate_job(cfg: Config) -> dict:
         suites = load_suites(cfg, original, renderer)
         refs, producer, parity = setup_reference(cfg, original, renderer, suites)
         from pipeline.evaluate import deployment_path, deployment_suites, evaluate_variant
+        from pipeline.probe import probe_spec
 
         try:
             artifact = build_artifact(variant, original, cfg)
-            prompt = probe_prompt(renderer, suites, cfg.profile.speed.prompt_tokens)
-            raw = evaluate_variant(cfg, original, renderer, artifact, suites, refs, producer, prompt)
+            raw = evaluate_variant(cfg, original, renderer, artifact, suites, refs, producer)
             served_suites = deployment_suites(cfg, parity, suites)
             served = (deployment_path(cfg, original, renderer, artifact, suites, served_suites)
                       if served_suites else None)
@@ -156,8 +156,12 @@ def evaluate_job(cfg: Config) -> dict:
                            "runtime_info": raw["manifest"].get("runtime_info"),
                            "free_running_source": raw["manifest"].get("free_running_source"),
                            "dequantized_check": raw["manifest"].get("dequantized_check"),
+                           "kld_exactness": raw["manifest"].get("kld_exactness"),
                            "wall_s": raw["manifest"].get("wall_s")},
             "deployment": served,
+            # what a speed trial of this variant runs (pipeline.speed measures all variants, interleaved)
+            "probe": probe_spec(cfg, variant, artifact,
+                                probe_prompt(renderer, suites, cfg.profile.speed.prompt_tokens)),
             "reference": {"producer": producer["name"], "suites": {s: r.hash for s, r in refs.items()}},
             "parity": parity,
             "model": {"name": cfg.model.name, "source": cfg.model.source, "facts": original.facts},

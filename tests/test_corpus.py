@@ -63,3 +63,70 @@ def test_corpus_command_prints_llama_cpp_style_json(tmp_path, tiny_llama):
     assert result["kld_mean"] > 0 and 0 < result["same_top1"] <= 1
     missing = subprocess.run(cmd[:5] + ["file=/nonexistent.txt"] + cmd[6:], capture_output=True, text=True, timeout=600)
     assert missing.returncode == 2 and "corpus.file" in missing.stderr
+
+
+def _llama_tool(name: str):
+    """A llama.cpp tool built by `make llama-tools` from the same vendored source as the wheel, or None."""
+    import os
+
+    out = subprocess.run(["make", "-s", "print-llama-tools"], capture_output=True, text=True, cwd=PROJECT_ROOT)
+    path = os.path.join(out.stdout.strip(), name)
+    return path if out.returncode == 0 and os.access(path, os.X_OK) else None
+
+
+def _parse_llama_kld(log: str) -> dict:
+    import re
+
+    out = {}
+    for key, pattern in (("kld_mean", r"Mean\s+KLD:\s+([-\d.]+)\s+±\s+([-\d.]+)"),
+                         ("ln_ppl_ratio", r"Mean ln\(PPL\(Q\)/PPL\(base\)\)\s+:\s+([-\d.]+)\s+±\s+([-\d.]+)"),
+                         ("same_top1", r"Same top p:\s+([\d.]+)\s+±")):
+        m = re.search(pattern, log)
+        assert m, f"{key} not in llama-perplexity's output:\n{log[-3000:]}"
+        out[key] = float(m.group(1))
+    return out
+
+
+@pytest.mark.slow
+def test_corpus_agrees_with_llama_perplexity_on_the_same_files(tmp_path, tiny_llama):
+    """`quantdrift corpus corpus.baseline=f16` against `llama-perplexity --kl-divergence` (built from the same
+    vendored llama.cpp by `make llama-tools`, which `make test` runs) on the same GGUF files, text and context:
+    mean KLD within 2 %, same top-1 and ln(PPL ratio) close."""
+    perplexity = _llama_tool("llama-perplexity")
+    if perplexity is None:
+        pytest.skip("llama-perplexity is not built: run `make llama-tools` (make test does)")
+    from pipeline.prepare import prepare
+    from pipeline.quantizers import build_artifact
+    from pipeline.reference import f16_variant
+    from pipeline.config import load_variant
+    from tests.conftest import compose
+
+    text = tmp_path / "notes.txt"
+    text.write_text("\n".join(f"Invoice INV-{1000 + i} for {i % 7 + 1} pallets was paid on day {i % 28 + 1}; the "
+                              f"<|im_start|> marker stays plain text. Refund RF-{i * 37 % 991} is pending."
+                              for i in range(160)))
+    ctx = 128
+    common = [f"model.source={tiny_llama}", "model.name=tiny", f"paths.artifacts={tmp_path / 'a'}",
+              f"paths.cache={PROJECT_ROOT / '.cache'}"]
+    cfg = compose(common)
+    original = prepare(cfg.model, cfg.model_dir)
+    f16 = build_artifact(f16_variant(), original, cfg).path
+    base = tmp_path / "base.kld"
+    run = subprocess.run([perplexity, "-m", str(f16), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", "2",
+                          "--kl-divergence-base", str(base)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ("gguf_q8_0", "gguf_q4_0"):
+        q = build_artifact(load_variant(name), original, compose(common + [f"variant={name}"])).path
+        ref = subprocess.run([perplexity, "-m", str(q), "-c", str(ctx), "-b", str(ctx), "-t", "2", "--kl-divergence",
+                              "--kl-divergence-base", str(base)], capture_output=True, text=True, timeout=600)
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        theirs = _parse_llama_kld(ref.stdout + ref.stderr)
+        out = subprocess.run([sys.executable, "-m", "pipeline.cli", "corpus", f"variant={name}", f"file={text}",
+                              f"ctx={ctx}", "json=true", "baseline=f16", *common, f"hydra.run.dir={tmp_path / 'h'}"],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        ours = json.loads(out.stdout.strip().splitlines()[-1])
+        assert ours["tokenizer"].startswith("llama.cpp")
+        assert ours["kld_mean"] == pytest.approx(theirs["kld_mean"], rel=0.02), (name, ours, theirs)
+        assert ours["ln_ppl_ratio"] == pytest.approx(theirs["ln_ppl_ratio"], rel=0.05, abs=1e-4), (name, ours, theirs)
+        assert abs(100 * ours["same_top1"] - theirs["same_top1"]) < 1.0, (name, ours, theirs)

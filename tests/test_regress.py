@@ -189,5 +189,32 @@ def test_a_previous_schema_baseline_is_read_and_a_metric_it_lacks_is_not_compare
     future = {**_summary(), "schema_version": 99}
     from pipeline.config import ConfigError
 
-    with pytest.raises(ConfigError, match="expected schema_version 1 or 2"):
+    with pytest.raises(ConfigError, match="expected schema_version 1 or 2 or 3"):
         gate(_summary(), future)
+
+
+@pytest.mark.slow
+def test_the_gate_passes_a_rerun_and_fails_a_worse_file_under_an_existing_name(tiny_cfg):
+    """The gate has power both ways: rerunning the same configuration from scratch (new evaluation, new speed
+    trials) passes; the Q4_0 file evaluated under the name gguf_q8_0 fails, naming the variant and the metrics."""
+    names = "run.variants=[original,gguf_q8_0]"
+
+    def compare(*extra, q8_extra=()):
+        assert run(tiny_cfg("variant=original", *extra)) == 0
+        assert run(tiny_cfg("variant=gguf_q8_0", *extra, *q8_extra)) == 0
+        assert run(tiny_cfg("command=report", names, *extra)) == 0
+
+    compare()
+    assert run(tiny_cfg("command=baseline", "regress.promote=smoke", names)) == 0
+    compare("force=true")
+    rerun = tiny_cfg("command=regress", names)
+    assert run(rerun) == 0, (rerun.results_dir / "regress" / "regress.md").read_text()
+    compare(q8_extra=("variant.quantize.type=Q4_0",))
+    swapped = tiny_cfg("command=regress", names)
+    assert run(swapped) == 1
+    md = (swapped.results_dir / "regress" / "regress.md").read_text()
+    failed = {(c.get("classname"), c.get("name")) for c in ET.parse(swapped.results_dir / "regress" / "junit.xml")
+              .getroot().iter("testcase") if c.find("failure") is not None}
+    assert ("quantdrift.gguf_q8_0", "kld_mean") in failed, md
+    assert "| gguf_q8_0 | kld_mean | **REGRESSED** |" in md
+    assert {cls for cls, _ in failed} == {"quantdrift.gguf_q8_0"}, failed      # the original still passes

@@ -18,8 +18,9 @@ def _iv(est, spread=0.1):
 
 def ok_variant(kld: float, tps: float, rss: float, turns: dict | None = None, recall: bool = False) -> dict:
     """A summary entry shaped like aggregate.variant_summary's, numbers made up."""
-    drift = {"kld_mean": kld, "kld_median": kld / 2, "kld_p90": kld * 2, "kld_p99": kld * 4, "kld_max": kld * 8,
-             "top1_agreement": 1 - kld, "delta_nll": kld / 3, "tail_mass_mean": 0.01, "scored_tokens": 500,
+    drift = {"kld_mean": kld, "kld_median": kld / 2, "kld_p90": kld * 2, "kld_p99": kld * 4, "kld_p99_9": kld * 6, "kld_max": kld * 8, "kld_stored_exact_ratio": 0.99,
+             "top1_agreement": 1 - kld, "delta_nll": kld / 3, "delta_p_mean": -kld / 10, "delta_p_rms": kld / 5,
+             "tail_mass_mean": 0.01, "scored_tokens": 500,
              "pass_rate": 0.75, "flip_rate": 0.125}
     assert set(drift) == {m.name for m in METRICS if m.section == "drift"}
     turns = turns if turns is not None else {"smoke:1": {"mean": kld, "n": 10}}
@@ -27,20 +28,30 @@ def ok_variant(kld: float, tps: float, rss: float, turns: dict | None = None, re
         "status": "ok", "reason": None, "description": None, "runtime": "hf", "kernel": "torch", "runtime_info": {},
         "drift": drift,
         "intervals": {"kld_mean": _iv(kld), "top1_agreement": _iv(1 - kld, 0.01), "delta_nll": _iv(kld / 3),
-                      "pass_rate": _iv(0.75), "pass_rate_delta": _iv(-0.125), "flip_rate": _iv(0.125)},
+                      "pass_rate": _iv(0.75), "pass_rate_delta": _iv(-0.125), "flip_rate": _iv(0.125),
+                      "decode_tokens_per_s": _iv(tps), "peak_rss_mb": _iv(rss, 0.02)},
+        "speed_trials": {"rounds": 3, "values": {"decode_tokens_per_s": [tps * 0.9, tps, tps * 1.1]}, "failed": []},
         "drift_detail": {"kld_by_position": {"0-127": {"mean": kld, "n": 300}, "128-255": {"mean": kld * 2, "n": 200}},
-                         "kld_by_turn": turns, "kld_by_suite": {}},
+                         "kld_by_turn": turns, "kld_by_suite": {},
+                         "kld_percentiles": {"99.9": kld * 6, "99": kld * 4, "90": kld * 2, "50": kld / 2, "10": 0.0,
+                                             "5": 0.0, "1": 0.0},
+                         "delta_p": {"mean": -kld / 10, "rms": kld / 5, "min": -0.5, "max": 0.2, "n": 500,
+                                     "percentiles": {"99": 0.1, "50": 0.0, "1": -0.3}}},
+        "power": {"smoke": {"conversations": 4, "checks": 8, "reference_pass_rate": 0.875, "mde_pass_rate": 0.6,
+                            "mde_kld_ratio": 2.5}},
         "free_running": {"checks": 8, "pass_rate": 0.75, "reference_pass_rate": 0.875, "pass_to_fail": 1,
                          "fail_to_pass": 0, "mcnemar_p": 1.0, "chrf_mean": 81.5, "replies": 4,
-                         "degenerate_replies": 0, "by_suite": {}, "source": "hf"},
+                         "degenerate_replies": 0, "by_suite": {}, "source": "hf",
+                         "conversation_test": {"conversations": 4, "mean_difference": -0.125, "p": 0.5,
+                                               "test": "sign-flip"}},
         "recall": ({"recall": 0.8, "documents": 3, "by_depth": {
             d: {"recall": r, "kld_mean": kld * (i + 1), "flips": 0}
             for i, (d, r) in enumerate((("0.1", 1.0), ("0.5", 0.75), ("0.9", 0.5)))},
             "by_length": {"512": {"recall": 0.8}}} if recall else None),
         "deployment": None,
         "speed": {"ttft_s": 0.0421, "prefill_tokens_per_s": 950.0, "decode_tokens_per_s": tps, "itl_p50_s": 1 / tps,
-                  "itl_p99_s": 1.5 / tps, "prompt_tokens": 64, "decode_tokens": 32, "repeats": 3, "cpu_noise": 0.02,
-                  "noisy": False, "load_s": 0.4},
+                  "itl_p99_s": 1.5 / tps, "prompt_tokens": 64, "decode_tokens": 32, "repeats": 1, "cpu_noise": 0.02,
+                  "trials": 3, "noisy_trials": 0, "load_s": 0.4},
         "memory": {"artifact_bytes": int(rss * 2**19), "peak_rss_mb": rss, "kv_bytes_per_token": 4096.0,
                    "kv_bytes_per_token_reported": 4100.0, "kv_reported_source": "hf cache tensors",
                    "kv_cache": "float32", "kv_formula_gap": 0.001, "kv_gap_flagged": False},
@@ -69,6 +80,11 @@ def make_summary(variants: dict, history_run: str = "smoke") -> dict:
                            "reasons": {n: "slower" for n in names}, "pareto_front": names[1:]},
         "decision_config": {}, "capacity": {"memory_budget_gb": [16], "context_tokens": 4096, "headroom": 0.2},
         "bandwidth": {"bytes_per_s": 2e10, "method": "numpy copy"},
+        "speed_noise": {"control": names[0] if names else None, "rounds": 3, "alpha": 0.05, "test": "sign-flip",
+                        "figures": {"decode_tokens_per_s": {"ratio": 1.01, "low": 0.95, "high": 1.07, "rounds": 3,
+                                                            "p": 0.75, "tied": True, "floor": 0.07}}},
+        "speed_protocol": {"rounds": 3, "order": [], "prompt_tokens": 64, "decode_tokens": 32, "repeats": 1,
+                           "warmup": 1, "max_cpu_noise": 0.15},
         "versions": {"torch": "0"}, "hardware": {"cpu": "test cpu", "cores": 2},
     }
 
@@ -145,10 +161,13 @@ def test_main_and_speed_tables_take_labels_and_formats_from_the_catalogue():
     for name in ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s", "artifact_bytes",
                  "peak_rss_mb", "kv_bytes_per_token"):
         m = BY_NAME[name]
-        col = head.index(metric_head(m))
-        assert rows[1][col] == format(s["variants"]["q8"][m.section][name] * m.display_scale, m.fmt), name
-    assert "TTFT s" in head and "decode tok/s" in head and "peak RSS MB" in head
-    assert "ITL p50 ms" in head and "artifact size MiB" in head     # display units, not the summary's s and bytes
+        col = head.index(metric_head(m, bool(m.interval)))
+        cell = format(s["variants"]["q8"][m.section][name] * m.display_scale, m.fmt)
+        iv = s["variants"]["q8"]["intervals"].get(m.interval or "")
+        assert rows[1][col] == (cell if not iv else f"{cell} [{format(iv['low'] * m.display_scale, m.fmt)}, "
+                                                    f"{format(iv['high'] * m.display_scale, m.fmt)}]"), name
+    assert "TTFT s [CI]" in head and "decode tok/s [CI]" in head and "peak RSS MB [CI]" in head
+    assert "ITL p50 ms [CI]" in head and "artifact size MiB" in head     # display units, not the summary's s and bytes
 
 
 # ------------------------------------------------------------------------------------------ fix 1: multi-turn

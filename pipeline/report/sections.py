@@ -39,8 +39,9 @@ def metric_head(m: Metric, interval: bool = False) -> str:
 
 def metric_cell(variant: dict, m: Metric) -> str:
     """A catalogue metric of a variant in the catalogue's format, with its 95 % interval where it has one."""
-    if m.interval:
-        return _ci((variant.get("intervals") or {}).get(m.interval), m.fmt, m.display_scale)
+    iv = (variant.get("intervals") or {}).get(m.interval) if m.interval else None
+    if iv and iv.get("estimate") is not None:
+        return _ci(iv, m.fmt, m.display_scale)
     x = value(variant, m.name)
     if m.integer and isinstance(x, float) and x.is_integer():
         x = int(x)
@@ -79,15 +80,16 @@ def speed_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     speed = [BY_NAME[n] for n in _SPEED_METRICS]
     memory = [BY_NAME[n] for n in _MEMORY_METRICS]
     kv = BY_NAME["kv_bytes_per_token"]
-    head = (["variant"] + [metric_head(m) for m in speed]
+    head = (["variant"] + [metric_head(m, bool(m.interval)) for m in speed]
             + ["bytes/token MiB", "BW share", "decode ceiling tok/s"]
-            + [metric_head(m) for m in memory] + ["KV cache", metric_head(kv)])
+            + [metric_head(m, bool(m.interval)) for m in memory] + ["KV cache", metric_head(kv)])
     rows = []
     for name, v in summary["variants"].items():
         if v["status"] != "ok":
             continue
         s, m, rf = v["speed"], v["memory"], v.get("roofline") or {}
-        rows.append([name + (" (noisy)" if s.get("noisy") else "")] + [metric_cell(v, x) for x in speed] + [
+        noisy = f" ({s['noisy_trials']} noisy trials)" if s.get("noisy_trials") else ""
+        rows.append([name + noisy] + [metric_cell(v, x) for x in speed] + [
             _fmt(rf.get("bytes_per_token") and rf["bytes_per_token"] / 2**20, ".1f"), _fmt(rf.get("share"), ".0%"),
             _fmt(rf.get("ceiling_tokens_per_s"), ".0f")] + [metric_cell(v, x) for x in memory] + [
             str(m.get("kv_cache") or ""),
@@ -103,26 +105,35 @@ def suite_flip_table(summary: dict) -> tuple[list[str], list[list[str]]] | None:
             continue
         for suite, f in (v["free_running"].get("by_suite") or {}).items():
             rows.append([name, suite, str(f["checks"]), _fmt(f["reference_pass_rate"], ".0%"), _fmt(f["pass_rate"], ".0%"),
-                         str(f["pass_to_fail"]), str(f["fail_to_pass"]), _fmt(f["mcnemar_p"], ".3f")])
+                         str(f["pass_to_fail"]), str(f["fail_to_pass"]), _fmt(f["mcnemar_p"], ".3f"),
+                         _fmt((f.get("conversation_test") or {}).get("p"), ".3f")])
     if not rows:
         return None
     return ["variant", "suite", "checks", "original pass", "variant pass", "pass→fail", "fail→pass",
-            "exact McNemar p"], rows
+            "exact McNemar p", "conversation-level p"], rows
 
 
 # ------------------------------------------------------------------------------------------ sections
 
 def _decision_section(summary: dict) -> tuple:
     rec = summary["recommendation"]
+    confidence = rec.get("confidence", "point")
     if rec["variant"]:
-        lead = (f"**Ship `{rec['variant']}`** (decision `{rec['decision']}`, objective `{rec['objective']}`): "
+        lead = (f"**Ship `{rec['variant']}`** (decision `{rec['decision']}`, objective `{rec['objective']}`, limits "
+                f"judged on {'95 % upper/lower bounds' if confidence == 'upper' else 'point estimates'}): "
                 f"{rec['summary']}.")
     else:
         lead = f"**No recommendation**: {rec['summary']}."
+    blocks: list = [lead]
+    if rec.get("undecided"):
+        blocks.append("**Undecided** (a limit lies inside the 95 % interval, so this run cannot say whether the "
+                      "variant meets it; more conversations narrow the interval): "
+                      + ", ".join(f"`{n}`" for n in rec["undecided"]) + ".")
     others = [f"`{n}`: {r}" for n, r in rec["reasons"].items() if n != rec["variant"]]
     front = ", ".join(f"`{n}`" for n in rec.get("pareto_front") or [])
-    return ("decision", "Recommendation", [lead, "Why the others lost:", others,
-                                           f"Pareto front over (mean KLD, decode tokens/s, peak RSS): {front}."])
+    blocks += ["Why the others lost:", others,
+               f"Pareto front over (mean KLD, decode tokens/s, peak RSS): {front}."]
+    return ("decision", "Recommendation", blocks)
 
 
 def _recall_section(ok: dict) -> tuple | None:
@@ -226,6 +237,94 @@ def _drift_sections(ok: dict) -> list[tuple]:
     return out
 
 
+def _llama_stats_section(ok: dict) -> tuple | None:
+    """The statistics llama.cpp's perplexity tool prints with --kl-divergence, from the stored per-token data."""
+    rows = []
+    for n, v in ok.items():
+        d = v.get("drift_detail") or {}
+        kp, dp = d.get("kld_percentiles"), d.get("delta_p")
+        if not kp or not dp:
+            continue
+        pp = dp.get("percentiles") or {}
+        rows.append([n, _fmt(v["drift"]["kld_mean"], ".5f")] + [_fmt(kp.get(q), ".5f") for q in ("99.9", "99", "90", "50",
+                                                                                                   "10", "5", "1")]
+                    + [_fmt(dp["mean"] * 100, "+.3f"), _fmt(dp["rms"] * 100, ".3f")]
+                    + [_fmt((pp.get(q) or 0) * 100 if q in pp else None, "+.3f") for q in ("99", "1")]
+                    + [_fmt(v["drift"]["top1_agreement"], ".2%"), _fmt(v["drift"].get("tail_mass_mean"), ".2%"),
+                       _exactness_cell(d.get("kld_exactness"))])
+    if not rows:
+        return None
+    return ("llama-stats", "KLD and Δp, as llama-perplexity reports them", [
+        (["variant", "mean KLD", "99.9%", "99%", "90%", "median", "10%", "5%", "1%", "mean Δp %", "RMS Δp %",
+          "Δp 99% %", "Δp 1% %", "same top", "ref. tail mass", "stored / exact KLD (sample)"], rows),
+        "Percentiles of the per-token KLD and of Δp (the probability of the reference's next token under the "
+        "variant minus under the original, in percentage points), as `llama-perplexity --kl-divergence` prints "
+        "them; 'same top' is the top-1 agreement. Tail mass: the original's probability outside the stored "
+        "top-K ids, which the stored KLD merges into one bucket (a lower bound of the full-vocabulary KLD). "
+        "Stored / exact: every run recomputes, on evenly spaced positions of each suite's longest transcript, the "
+        "exact full-vocabulary KLD (the original on transformers against the variant on its own runtime) beside "
+        "the stored figure at the same positions; 1.000 means the stored figure is exact."])
+
+
+def _exactness_cell(ex: dict | None) -> str:
+    rows = [e for e in (ex or {}).values() if e and e.get("ratio") is not None]
+    if not rows:
+        return "–"
+    stored = sum(e["kld_stored_mean"] * e["tokens"] for e in rows)
+    exact = sum(e["kld_exact_mean"] * e["tokens"] for e in rows)
+    return f"{stored / exact:.3f} ({exact / sum(e['tokens'] for e in rows):.4f} exact, {sum(e['tokens'] for e in rows)} tok)"
+
+
+def _power_section(ok: dict) -> tuple | None:
+    """Per suite, what 'no difference' is worth with this many conversations."""
+    suites: dict = {}
+    for v in ok.values():
+        for suite, p in (v.get("power") or {}).items():
+            g = suites.setdefault(suite, {"conversations": p.get("conversations"), "checks": p.get("checks"),
+                                          "reference_pass_rate": p.get("reference_pass_rate"),
+                                          "mde_pass_rate": p.get("mde_pass_rate"), "kld": []})
+            if p.get("mde_kld_ratio"):
+                g["kld"].append(p["mde_kld_ratio"])
+    if not suites:
+        return None
+    rows = []
+    for suite, g in suites.items():
+        kld = sorted(g["kld"])
+        rows.append([suite, str(g["conversations"]), str(g["checks"] or "–"), _fmt(g["reference_pass_rate"], ".0%"),
+                     _fmt(g["mde_pass_rate"], ".0%"), _fmt(kld[len(kld) // 2] if kld else None, ".2f") + "×"])
+    return ("power", "What this run can detect", [
+        (["suite", "conversations", "checks", "original pass rate", "smallest detectable pass-rate change",
+          "smallest detectable mean-KLD ratio"], rows),
+        "At 80 % power and 5 % two-sided, conversations as units (normal approximation): a pass-rate change or a "
+        "ratio of two variants' mean KLD smaller than this is not distinguishable from no difference with this "
+        "many conversations. The KLD figure is the median over variants of exp(2.80 × SD(log per-conversation "
+        "mean KLD) × √(2/n)). Checks within a conversation are not independent, so beside the check-level exact "
+        "McNemar test every variant also gets a conversation-level sign-flip permutation test on per-conversation "
+        "pass-rate differences (the decision uses it: `decision.max_pass_drop_p`)."])
+
+
+def _speed_noise_block(summary: dict) -> list:
+    noise = summary.get("speed_noise")
+    proto = summary.get("speed_protocol") or {}
+    out = [f"Speed: every variant measured in {proto.get('rounds') or '?'} interleaved rounds (each round measures "
+           "every variant once, a fresh process per trial, the order rotated by one place per round), each trial "
+           f"{proto.get('warmup', 1)} warm-up then {proto.get('repeats', 1)} timed generation(s) of "
+           f"{proto.get('decode_tokens')} tokens after a {proto.get('prompt_tokens')}-token prompt. Figures: the "
+           "median over trials [95 % interval from order statistics]; prefill (TTFT, compute-bound) and decode "
+           "(memory-bound) separately. Two variants tie on speed unless a paired sign-flip permutation test over "
+           "the rounds finds a difference at p < `decision.alpha` (and larger than `decision.tie_tolerance`)."]
+    if noise and noise.get("figures"):
+        f = noise["figures"]
+        cells = [f"{BY_NAME[k].label} ×{x['ratio']:.3f} [{x['low']:.3f}, {x['high']:.3f}], p={x['p']:.2f}"
+                 f" ({'tied' if x['tied'] else 'NOT tied: this run is too noisy to compare speeds'})"
+                 for k, x in f.items()]
+        floor = f.get("decode_tokens_per_s", {}).get("floor")
+        out.append(f"Noise floor (A/A): `{noise['control']}` measured twice per round under two labels: "
+                   + "; ".join(cells) + "." + (f" Decode-speed differences under ±{floor:.0%} are inside this "
+                                               "run's noise." if floor is not None else ""))
+    return out
+
+
 def _model_section(summary: dict) -> tuple:
     m, ref = summary["model"], summary["reference"]
     items = [f"Source: `{m['source']}`; {m.get('origin', '')}.",
@@ -314,6 +413,17 @@ def _artifact_section(ok: dict) -> tuple:
                     "K-quant names are recipes: on models whose row sizes are not multiples of 256, llama.cpp falls "
                     "back to other types, so the file's real tensor types are listed, and drift need not be "
                     "monotonic across K-quant names."]
+    path_rows = []
+    for n, v in ok.items():
+        p = v["paths"]
+        free = str(p.get("free_running") or "")
+        kind = ("reference transcript" if free.startswith("reference transcripts")
+                else "dequantized stand-in" if "dequantized" in free else "real kernel")
+        path_rows.append([n, f"real kernel: {p['teacher_forced']}", f"{kind}: {free}",
+                          f"real kernel: {p['speed_memory']}"])
+    blocks += ["Which path produced which figure:",
+               (["variant", "drift (KLD, top-1, ΔNLL, Δp)", "free-running (checks, flips, chrF)",
+                 "speed and memory"], path_rows)]
     notes = []
     for n, v in ok.items():
         p = v["paths"]
@@ -325,7 +435,7 @@ def _artifact_section(ok: dict) -> tuple:
                          f"{c.get('kld_dequantized', 0):.4g} (gap {c.get('kld_gap', 0):.1%}, limit 5%), greedy "
                          f"agreement {c.get('top1_agreement', 0):.1%} (limit 90%).")
     if notes:
-        blocks += ["Which path produced which number:", notes]
+        blocks += ["The dequantized stand-in, checked against the kernel:", notes]
     if any(v["artifact"].get("quantize_settings") for v in ok.values()):
         blocks.append("GPTQ/AWQ calibration: business prose from `prompts/calibration.jsonl`, kept apart from every "
                       "scored evaluation turn (or the source set in the variant's `quantize.calibration`).")
@@ -346,21 +456,17 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
         "overlapping intervals as no measured difference. Degenerate: replies whose repeated 4-gram rate or "
         "looping tail crosses `decision.degeneration`."),
         speed_table(summary),
-        ("Speed: a separate probe in a fresh process (median of repeats after warm-up); prefill (TTFT, compute-"
-         "bound) and decode (memory-bound) reported separately. Peak RSS: the probe process. Roofline: bytes read "
-         "per decoded token = all weights + the KV cache at the probe's mean context; BW share = decode tok/s × "
-         "bytes/token ÷ measured bandwidth"
+        ("Peak RSS: the trial process. Roofline: bytes read per decoded token = all weights + the KV cache at the "
+         "probe's mean context; BW share = decode tok/s × bytes/token ÷ measured bandwidth"
          + (f" ({bw['bytes_per_s'] / 1e9:.1f} GB/s: {bw['method']})" if bw else "")
-         + "; the ceiling is the decode rate at 100 % of that bandwidth. Speed figures carry no interval: they "
-         f"are medians of {next(iter(ok.values()), {}).get('speed', {}).get('repeats') or 'a few'} repeats and move "
-         "by 10–30 % between runs on a shared CPU, so the decision treats objective values within "
-         "`decision.tie_tolerance` of the best as a tie (the lower drift wins).")]
+         + "; the ceiling is the decode rate at 100 % of that bandwidth."), *_speed_noise_block(summary)]
     flips = suite_flip_table(summary)
     if flips:
         variants_blocks += ["Flips by suite against the original:", flips]
     sections = [_decision_section(summary), ("variants", "Variants", variants_blocks)]
-    sections += [s for s in (_recall_section(ok), _capacity_section(summary, ok)) if s]
+    sections += [s for s in (_power_section(ok), _recall_section(ok), _capacity_section(summary, ok)) if s]
     sections += _drift_sections(ok)
+    sections += [s for s in (_llama_stats_section(ok),) if s]
     where = {"pareto": "decision", "kld_by_position": "by-position", "kld_by_turn": "by-turn",
              "recall_by_depth": "recall"}
     for name in plots:      # each plot goes into its section (a plot without one gets its own)

@@ -1,5 +1,6 @@
-"""summary.json: the versioned summary of a run, assembled from the per-variant result files alone (nothing is
-recomputed) and checked against the published JSON Schema before anything is written."""
+"""summary.json: the versioned summary of a run, assembled from the per-variant result files and the run's
+interleaved speed trials (measured here once, then cached: ``pipeline.speed``), and checked against the
+published JSON Schema before anything is written."""
 
 from __future__ import annotations
 
@@ -24,7 +25,11 @@ def build_summary(cfg: Config) -> dict:
     bandwidth = load_bandwidth(cfg)
     if bandwidth is None and any(r.get("status") == "ok" for r in results.values()):
         bandwidth = run_bandwidth(cfg, resolve_device(cfg.runtime.device))   # a run from before bandwidth existed
-    variants = {name: variant_summary(r, bandwidth, cfg.decision.degeneration, cfg.seed)
+    from pipeline.speed import measure_speed, noise_floor
+
+    speed_run = measure_speed(cfg, results)
+    trials = (speed_run or {}).get("trials") or {}
+    variants = {name: variant_summary(r, bandwidth, cfg.decision.degeneration, cfg.seed, trials.get(name))
                 for name, r in results.items()}
     ok = [r for r in results.values() if r.get("status") == "ok"]
     first = ok[0] if ok else {}
@@ -44,6 +49,10 @@ def build_summary(cfg: Config) -> dict:
                       "top_k": cfg.reference.top_k, "parity": first.get("parity")},
         "variants": variants,
         "recommendation": decide(variants, cfg.decision),
+        "speed_noise": noise_floor(speed_run, cfg.decision.alpha),
+        "speed_protocol": {"rounds": (speed_run or {}).get("rounds"), "order": (speed_run or {}).get("order"),
+                           **{k: getattr(cfg.profile.speed, k) for k in ("prompt_tokens", "decode_tokens", "repeats",
+                                                                         "warmup", "max_cpu_noise")}},
         "decision_config": cfg.decision.__dict__,
         "capacity": cfg.capacity.__dict__,
         "bandwidth": bandwidth,

@@ -138,6 +138,12 @@ class Runtime(abc.ABC):
         """Teacher-forced log-probs of ``candidates`` (int (len(positions), K)) after ``ids[p]`` for each p in
         ``positions``, from one pass over ``ids``; see ``Scores``."""
 
+    def tokenize_document(self, text: str) -> tuple[list[int], int | None]:
+        """A whole text as this runtime's own tools tokenize a document (BOS per the model's metadata, special-
+        token strings as plain text): the ids and the BOS id when the model adds one. Only where
+        ``own_tokenizer``."""
+        raise NotImplementedError(f"runtime {self.name!r} has no tokenizer of its own")
+
     def tokenize_served(self, text: str) -> list[int]:
         """The ids a server on this runtime sends the model for a rendered prompt ``text`` (its own tokenizer,
         special tokens parsed, BOS as the model's metadata says). Only where ``own_tokenizer``."""

@@ -216,6 +216,17 @@ class LlamaCppRuntime(FullLogitsRuntime):
     def tokenize(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
+    def tokenize_document(self, text: str) -> tuple[list[int], int | None]:
+        # As llama.cpp's tools tokenize a text file (common_tokenize(ctx, text, add_special=true,
+        # parse_special=false)): BOS where the GGUF's metadata says the model adds it, special-token strings as
+        # plain text. Returns the ids and the BOS id when the model adds one (else None).
+        import llama_cpp
+
+        vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))
+        ids = self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+        return ids, (int(llama_cpp.llama_vocab_bos(vocab)) if adds_bos else None)
+
     def tokenize_served(self, text: str) -> list[int]:
         # As llama-server tokenizes a chat prompt: special tokens parsed, add_special=true (BOS only where the
         # GGUF's tokenizer.ggml.add_bos_token says so).
