@@ -247,7 +247,7 @@ class RuntimeConfig:
 class ReferenceConfig:
     # auto: the F16 GGUF (variant gguf_f16) produces the transcripts when the parity check holds, else the original.
     runtime: str = "auto"
-    top_k: int = 32
+    top_k: int = 1024
     # Parity gates: F16 GGUF vs original on the same ids.
     parity_max_kld: float = 1e-3
     parity_tokens: int = 512

@@ -13,7 +13,12 @@ from typing import Any
 
 from pipeline.errors import ConfigError
 
-CHECK_TYPES = ("contains", "not_contains", "regex", "number", "json")
+CHECK_TYPES = ("contains", "not_contains", "regex", "number", "json", "echo", "json_valid", "length", "language",
+               "no_loop")
+# A check's grade: "hard" (the task itself: recall, arithmetic, exact facts) or "graded" (instruction following a
+# small model manages at a useful rate: echo, JSON syntax, length, language, no loops). Reports may show them apart.
+GRADES = ("hard", "graded")
+LENGTH_UNITS = ("words", "lines", "bullets")
 MAX_TURNS = 8
 _RECORD_KEYS = {"id", "category", "system", "turns", "meta"}
 _TURN_KEYS = {"user", "max_new_tokens", "checks"}
@@ -46,12 +51,21 @@ def _fail(path: Path, line: int, fld: str, msg: str) -> None:
     raise PromptError(f"{path}:{line}: field '{fld}': {msg}")
 
 
-def _validate_check(path: Path, line: int, where: str, check: Any) -> dict:
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _validate_check(path: Path, line: int, where: str, check: Any, user: str | None = None) -> dict:
+    """``user``: the turn's user message, which an ``echo`` check's literals must come from."""
     if not isinstance(check, dict):
         _fail(path, line, where, f"expected an object, got {type(check).__name__}")
     ctype = check.get("type")
     if ctype not in CHECK_TYPES:
         _fail(path, line, f"{where}.type", f"unknown check type {ctype!r}: expected one of {', '.join(CHECK_TYPES)}")
+    if "name" in check and (not isinstance(check["name"], str) or not check["name"].strip()):
+        _fail(path, line, f"{where}.name", "expected a non-empty string or absent")
+    if "grade" in check and check["grade"] not in GRADES:
+        _fail(path, line, f"{where}.grade", f"expected one of {', '.join(GRADES)}, got {check['grade']!r}")
     if ctype in ("contains", "not_contains"):
         if not isinstance(check.get("value"), str) or not check["value"]:
             _fail(path, line, f"{where}.value", "expected a non-empty string")
@@ -81,7 +95,54 @@ def _validate_check(path: Path, line: int, where: str, check: Any) -> dict:
             jsonschema.Draft202012Validator.check_schema(schema)
         except jsonschema.SchemaError as exc:
             _fail(path, line, f"{where}.schema", f"not a valid JSON Schema: {exc.message}")
+    elif ctype == "echo":
+        _validate_echo(path, line, where, check, user)
+    elif ctype == "length":
+        unit = check.get("unit")
+        if unit not in LENGTH_UNITS:
+            _fail(path, line, f"{where}.unit", f"expected one of {', '.join(LENGTH_UNITS)}, got {unit!r}")
+        for bound in ("min", "max"):
+            if bound in check and (not _is_int(check[bound]) or check[bound] < 0):
+                _fail(path, line, f"{where}.{bound}", f"expected a non-negative integer, got {check[bound]!r}")
+        if "min" not in check and "max" not in check:
+            _fail(path, line, f"{where}.max", "expected 'min', 'max' or both")
+        if "min" in check and "max" in check and check["min"] > check["max"]:
+            _fail(path, line, f"{where}.min", f"min {check['min']} is above max {check['max']}")
+    elif ctype == "language":
+        if check.get("value") not in _STOPWORDS:
+            _fail(path, line, f"{where}.value", f"expected a language code, one of {', '.join(_STOPWORDS)}, "
+                                                f"got {check.get('value')!r}")
+    elif ctype == "no_loop":
+        n = check.get("n", NO_LOOP_N)
+        if not _is_int(n) or not 2 <= n <= 20:
+            _fail(path, line, f"{where}.n", f"expected an integer in 2..20, got {n!r}")
+        ratio = check.get("max_repeated", NO_LOOP_MAX_REPEATED)
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio < 1:
+            _fail(path, line, f"{where}.max_repeated", f"expected a fraction between 0 and 1, got {ratio!r}")
     return check
+
+
+def _validate_echo(path: Path, line: int, where: str, check: dict, user: str | None) -> None:
+    if ("value" in check) == ("values" in check):
+        _fail(path, line, f"{where}.value", "expected either 'value' (a string) or 'values' (a list of strings)")
+    if "value" in check:
+        if not isinstance(check["value"], str) or not check["value"].strip():
+            _fail(path, line, f"{where}.value", "expected a non-empty string")
+        if "min" in check:
+            _fail(path, line, f"{where}.min", "only allowed with 'values'")
+        values, fld = [check["value"]], "value"
+    else:
+        values = check["values"]
+        if not isinstance(values, list) or not values or not all(isinstance(v, str) and v.strip() for v in values):
+            _fail(path, line, f"{where}.values", "expected a non-empty list of non-empty strings")
+        if "min" in check and (not _is_int(check["min"]) or not 1 <= check["min"] <= len(values)):
+            _fail(path, line, f"{where}.min", f"expected an integer in 1..{len(values)}, got {check['min']!r}")
+        fld = "values"
+    if user is not None:
+        for v in values:
+            if not literal_in(v, user, check.get("case_sensitive", False)):
+                _fail(path, line, f"{where}.{fld}", f"{v!r} does not occur in this turn's user message (an echo "
+                                                    "check repeats a literal given in the same turn)")
 
 
 def parse_record(path: Path, line: int, raw: Any, suite: str) -> Conversation:
@@ -118,7 +179,7 @@ def parse_record(path: Path, line: int, raw: Any, suite: str) -> Conversation:
         checks = t.get("checks", [])
         if not isinstance(checks, list):
             _fail(path, line, f"{where}.checks", "expected a list")
-        checks = [_validate_check(path, line, f"{where}.checks[{j}]", c) for j, c in enumerate(checks)]
+        checks = [_validate_check(path, line, f"{where}.checks[{j}]", c, t["user"]) for j, c in enumerate(checks)]
         turns.append(Turn(user=t["user"], max_new_tokens=budget, checks=checks))
     return Conversation(id=cid, suite=suite, turns=turns, system=system, category=str(raw.get("category", "")),
                         meta=meta)
@@ -247,8 +308,124 @@ def run_check(check: dict, reply: str) -> bool:
         if obj is None:
             return False
         return jsonschema.Draft202012Validator(check["schema"]).is_valid(obj)
+    if ctype == "echo":
+        values = [check["value"]] if "value" in check else check["values"]
+        found = sum(literal_in(v, reply, check.get("case_sensitive", False)) for v in values)
+        return found >= check.get("min", len(values))
+    if ctype == "json_valid":
+        obj = extract_json(reply)
+        return isinstance(obj, dict) and bool(obj)
+    if ctype == "length":
+        n = count_units(reply, check["unit"])
+        return check.get("min", 0) <= n <= check.get("max", n)
+    if ctype == "language":
+        return detect_language(reply) == check["value"]
+    if ctype == "no_loop":
+        return repeated_fraction(reply, check.get("n", NO_LOOP_N)) <= check.get("max_repeated", NO_LOOP_MAX_REPEATED)
     raise ValueError(f"unknown check type {ctype!r}")  # validated at load time
 
 
 def check_label(check: dict, index: int) -> str:
     return check.get("name") or f"{check['type']}#{index}"
+
+
+def check_grade(check: dict) -> str:
+    """'hard' (the default) or 'graded'; see GRADES."""
+    return check.get("grade", "hard")
+
+
+# ---------------------------------------------------------------- graded-check helpers
+
+_WORD = re.compile(r"[^\W\d_]+")               # a run of letters (any script)
+_TOKEN = re.compile(r"\w+")                     # letters or digits: what a loop repeats
+_BULLET = re.compile(r"^\s*(?:[-*\u2022+]|\d{1,2}[.)])\s+\S")
+
+
+def literal_in(value: str, text: str, case_sensitive: bool = False) -> bool:
+    """``value`` occurs in ``text`` as written, and not as part of a longer word or number: where the value
+    starts (ends) with a letter or digit, the character before (after) it must not be one, so "18" is not found
+    in "180" or "2018", "AP-558213" not in "AP-5582130", but "$1,249.50" is found in "total: $1,249.50."."""
+    pattern = re.escape(value.strip())
+    if value.strip()[0].isalnum():
+        pattern = r"(?<![^\W_])" + pattern
+    if value.strip()[-1].isalnum():
+        pattern += r"(?![^\W_])"
+    return re.search(pattern, text, 0 if case_sensitive else re.IGNORECASE) is not None
+
+
+def count_units(text: str, unit: str) -> int:
+    """words: whitespace-separated tokens holding a letter or digit; lines: non-blank lines; bullets: lines that
+    start with -, *, +, \u2022 or a list number ("1." / "1)")."""
+    if unit == "words":
+        return sum(1 for w in text.split() if re.search(r"[^\W_]", w))
+    if unit == "lines":
+        return sum(1 for ln in text.splitlines() if ln.strip())
+    if unit == "bullets":
+        return sum(1 for ln in text.splitlines() if _BULLET.match(ln))
+    raise ValueError(f"unknown length unit {unit!r}")
+
+
+def repeated_fraction(text: str, n: int = 4) -> float:
+    """Share of the reply's word n-grams (lower-cased letter/digit tokens, punctuation ignored) that repeat an
+    n-gram seen earlier in the reply. Business prose stays well under 0.2; a reply stuck in a loop approaches
+    1 - period/length (a sentence repeated three times: about 0.6)."""
+    tokens = [t.lower() for t in _TOKEN.findall(text)]
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    if not grams:
+        return 0.0
+    return 1 - len(set(grams)) / len(grams)
+
+
+NO_LOOP_N = 4
+NO_LOOP_MAX_REPEATED = 0.3
+LANGUAGE_MIN_WORDS = 8
+LANGUAGE_MIN_SHARE = 0.15
+
+# Frequent function words per language: a reply is in the language whose words make up the largest share of its
+# words (at least LANGUAGE_MIN_SHARE of them, and more than any other language's share). No dependency, no model;
+# enough to tell English, German, Spanish, French, Italian, Dutch and Portuguese prose apart, and to fail a reply
+# that is mostly digits, symbols, code or another script.
+_STOPWORDS = {
+    "en": set("""the and to of a an in is are was were be been being for on that this these those with as at by from
+        it its or but not no we you your our us i me my he she they them their his her will would can could should
+        shall have has had do does did if then than there here which who whom what when where why how all any each
+        please thank thanks so also into about after before up out over under per may must just only more most""".split()),
+    "de": set("""der die das und ist nicht ein eine einen einem einer zu den dem des mit sich auf für von im sie wir
+        ich es bitte auch als bei oder aber wie noch nach aus wird werden wurde wurden sind haben hat habe kann können
+        uns unser unsere ihr ihre ihnen ihren dass vielen dank mein meine meinen sehr geehrte geehrter zum zur vom
+        über bis wenn nur diese dieser dieses um gibt noch schon wir mir mich dir ihm""".split()),
+    "es": set("""el la los las del y que en un una unos unas es son por para con no su sus al lo como más pero se
+        le les nos este esta estos estas ese esa muy ya hay fue ser está están gracias usted ustedes nuestro nuestra
+        nuestros sobre también cuando donde si sí mi me te hemos ha han puede pueden le todo todos""".split()),
+    "fr": set("""le la les des du et un une est sont que qui pour dans par sur avec ne pas plus au aux ce cette ces
+        nous vous votre vos notre nos il elle ils elles je se son sa ses mais ou si très merci bonjour été être
+        avoir ont avons avez sera leur leurs tout tous comme""".split()),
+    "it": set("""il lo gli di del della dei delle e è un una uno che per con non su da dal dalla al alla come più
+        ma anche sono questo questa questi ci si ha hanno grazie nostro nostra vostro vostra suo sua siamo essere
+        nel nella sul sulla ogni""".split()),
+    "nl": set("""de het een en van is dat die te op voor met niet zijn er aan ook als bij om maar door naar dan of
+        wij we u uw ons onze ik je jullie wordt worden heeft hebben kan kunnen dit deze graag bedankt
+        alstublieft ook nog wel geen""".split()),
+    "pt": set("""o os as do da dos das e é um uma que em no na nos nas para por com não se ao mais mas como seu sua
+        você vocês nosso nossa foi ser está estão obrigado obrigada também muito pelo pela ou já são""".split()),
+}
+
+
+def language_shares(text: str) -> dict[str, float]:
+    """Per language: the share of the text's words that are among its frequent function words."""
+    words = [w.lower() for w in _WORD.findall(text)]
+    if not words:
+        return {lang: 0.0 for lang in _STOPWORDS}
+    return {lang: sum(w in stop for w in words) / len(words) for lang, stop in _STOPWORDS.items()}
+
+
+def detect_language(text: str) -> str | None:
+    """The language code of a reply, or None when it has fewer than LANGUAGE_MIN_WORDS words, no language
+    reaches LANGUAGE_MIN_SHARE, or two languages tie."""
+    if len(_WORD.findall(text)) < LANGUAGE_MIN_WORDS:
+        return None
+    shares = sorted(language_shares(text).items(), key=lambda kv: kv[1], reverse=True)
+    (best, top), (_, second) = shares[0], shares[1]
+    if top < LANGUAGE_MIN_SHARE or top == second:
+        return None
+    return best

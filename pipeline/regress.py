@@ -70,7 +70,20 @@ def compare_metric(metric: str, new_v: dict, base_v: dict, tol: dict) -> tuple[b
     note = ""
     if bad and tol.get("interval"):
         iv = (new_v.get("intervals") or {}).get(m.interval or "")
-        if iv:
+        base_iv = (base_v.get("intervals") or {}).get(m.interval or "")
+        if iv and base_iv and m.section in ("speed", "memory"):
+            # a figure from interleaved trials: the baseline is a noisy median too, so the whole new interval must
+            # be worse than the whole baseline interval by more than the tolerance
+            if "ratio" in tol:
+                bad = (iv["high"] < tol["ratio"] * base_iv["low"] if better == "higher"
+                       else iv["low"] > base_iv["high"] / max(tol["ratio"], 1e-12))
+            else:
+                gap = base_iv["low"] - iv["high"] if better == "higher" else iv["low"] - base_iv["high"]
+                bad = gap > max(tol.get("abs", 0.0), tol.get("rel", 0.0) * abs(base)) + 1e-12
+            if not bad:
+                note = (f"; the 95% intervals [{iv['low']:.4g}, {iv['high']:.4g}] and baseline "
+                        f"[{base_iv['low']:.4g}, {base_iv['high']:.4g}] are not apart by the tolerance")
+        elif iv:
             # noise never fails a job: the new interval must exclude the baseline on the bad side
             excludes = iv["high"] < base if better == "higher" else iv["low"] > base
             if not excludes:

