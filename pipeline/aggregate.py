@@ -34,18 +34,20 @@ def drift_figures(tf: dict) -> dict:
     kld, top1, dnll, pos, turn_keys, tail, nll_ref, nll_var = [], [], [], [], [], [], [], []
     per_suite = {}
     for suite, convs in tf.items():
-        s_kld = []
+        s_kld, s_tail = [], []
         for cid, c in convs.items():
             kld += c["kld"]
             s_kld += c["kld"]
             top1 += c["top1"]
             tail += c.get("tail_mass", [])
+            s_tail += c.get("tail_mass", [])
             nll_ref += c["nll_reference"]
             nll_var += c["nll_variant"]
             dnll += list(np.asarray(c["nll_variant"]) - np.asarray(c["nll_reference"]))
             pos += c["out_pos"]
             turn_keys += [f"{suite}:{t + 1}" for t in c["turn"]]
-        per_suite[suite] = metrics.distribution(s_kld)
+        per_suite[suite] = {**metrics.distribution(s_kld),
+                            "tail_mass_mean": float(np.mean(s_tail)) if s_tail else None}
     dist = metrics.distribution(kld)
     kld_pct = metrics.percentiles(kld, metrics.KLD_PERCENTILES)
     dp = metrics.delta_p(nll_ref, nll_var)

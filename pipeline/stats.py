@@ -82,6 +82,7 @@ def conversation_intervals(tf: dict, samples: list[dict], seed: int = 0) -> dict
 # ------------------------------------------------------------------ paired tests, order-statistic intervals, power
 
 ALPHA = 0.05
+NO_SIGNAL_PASS_RATE = 0.20       # a suite whose checks the original passes less often carries no signal for flips
 Z_975, Z_80 = 1.959964, 0.841621     # two-sided 5 % and 80 % power (normal approximation)
 
 
@@ -180,7 +181,9 @@ def minimum_detectable(samples: list[dict], tf: dict) -> dict:
         binom = np.sqrt(pooled_c * (1 - pooled_c) / np.mean([n for _, n in rows]))
         sd = max(np.sqrt(2) * (rates.std(ddof=1) if n_conv > 1 else 0.0), binom)
         out[suite] = {"conversations": n_conv, "checks": int(sum(n for _, n in rows)),
-                      "reference_pass_rate": float(pooled), "mde_pass_rate": float(min(1.0, z * sd / np.sqrt(n_conv)))}
+                      "reference_pass_rate": float(pooled), "mde_pass_rate": float(min(1.0, z * sd / np.sqrt(n_conv))),
+                      # a flip needs checks the original passes: under this rate flips are mostly lucky passes
+                      "no_signal_for_flips": bool(pooled < NO_SIGNAL_PASS_RATE)}
     for suite, convs in tf.items():
         means = [float(np.mean(c["kld"])) for c in convs.values() if len(c["kld"])]
         means = [m for m in means if m > 0]

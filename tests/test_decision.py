@@ -198,3 +198,6 @@ def test_minimum_detectable_effect_shrinks_with_more_conversations():
     assert few["conversations"] == 4 and few["reference_pass_rate"] == pytest.approx(0.75)
     assert 0 < many["mde_pass_rate"] < few["mde_pass_rate"] <= 1
     assert 1 < many["mde_kld_ratio"] < few["mde_kld_ratio"]
+    assert not few["no_signal_for_flips"]
+    blind = [_sample("s", f"c{i}", [False, i == 0], [True, True]) for i in range(8)]     # the original passes 1 in 16
+    assert minimum_detectable(blind, {})["s"]["no_signal_for_flips"]

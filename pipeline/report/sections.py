@@ -263,7 +263,23 @@ def _llama_stats_section(ok: dict) -> tuple | None:
         "top-K ids, which the stored KLD merges into one bucket (a lower bound of the full-vocabulary KLD). "
         "Stored / exact: every run recomputes, on evenly spaced positions of each suite's longest transcript, the "
         "exact full-vocabulary KLD (the original on transformers against the variant on its own runtime) beside "
-        "the stored figure at the same positions; 1.000 means the stored figure is exact."])
+        "the stored figure at the same positions; 1.000 means the stored figure is exact.",
+        *([(["variant", "suite", "sampled tokens", "K", "stored KLD", "exact KLD", "stored / exact",
+             "suite tail mass"], ex_rows)] if (ex_rows := _exactness_rows(ok)) else [])])
+
+
+def _exactness_rows(ok: dict) -> list[list[str]]:
+    """Per variant and suite: the sample's stored and exact mean KLD, their ratio, and the suite's tail mass."""
+    rows = []
+    for n, v in ok.items():
+        d = v.get("drift_detail") or {}
+        for suite, e in (d.get("kld_exactness") or {}).items():
+            if not e:
+                continue
+            tail = ((d.get("kld_by_suite") or {}).get(suite) or {}).get("tail_mass_mean")
+            rows.append([n, suite, str(e["tokens"]), str(e.get("top_k", "")), _fmt(e["kld_stored_mean"], ".5f"),
+                         _fmt(e["kld_exact_mean"], ".5f"), _fmt(e.get("ratio"), ".3f"), _fmt(tail, ".2%")])
+    return rows
 
 
 def _exactness_cell(ex: dict | None) -> str:
@@ -282,7 +298,8 @@ def _power_section(ok: dict) -> tuple | None:
         for suite, p in (v.get("power") or {}).items():
             g = suites.setdefault(suite, {"conversations": p.get("conversations"), "checks": p.get("checks"),
                                           "reference_pass_rate": p.get("reference_pass_rate"),
-                                          "mde_pass_rate": p.get("mde_pass_rate"), "kld": []})
+                                          "mde_pass_rate": p.get("mde_pass_rate"),
+                                          "no_signal": p.get("no_signal_for_flips"), "kld": []})
             if p.get("mde_kld_ratio"):
                 g["kld"].append(p["mde_kld_ratio"])
     if not suites:
@@ -290,14 +307,17 @@ def _power_section(ok: dict) -> tuple | None:
     rows = []
     for suite, g in suites.items():
         kld = sorted(g["kld"])
-        rows.append([suite, str(g["conversations"]), str(g["checks"] or "–"), _fmt(g["reference_pass_rate"], ".0%"),
+        rows.append([suite, str(g["conversations"]), str(g["checks"] or "–"),
+                     _fmt(g["reference_pass_rate"], ".0%") + (" ⚠ no signal for flips" if g["no_signal"] else ""),
                      _fmt(g["mde_pass_rate"], ".0%"), _fmt(kld[len(kld) // 2] if kld else None, ".2f") + "×"])
     return ("power", "What this run can detect", [
         (["suite", "conversations", "checks", "original pass rate", "smallest detectable pass-rate change",
           "smallest detectable mean-KLD ratio"], rows),
         "At 80 % power and 5 % two-sided, conversations as units (normal approximation): a pass-rate change or a "
         "ratio of two variants' mean KLD smaller than this is not distinguishable from no difference with this "
-        "many conversations. The KLD figure is the median over variants of exp(2.80 × SD(log per-conversation "
+        "many conversations. A suite whose checks the original passes less than 20 % of the time is flagged: "
+        "its flips are mostly a variant's lucky passes, not damage. The KLD figure is the median over variants "
+        "of exp(2.80 × SD(log per-conversation "
         "mean KLD) × √(2/n)). Checks within a conversation are not independent, so beside the check-level exact "
         "McNemar test every variant also gets a conversation-level sign-flip permutation test on per-conversation "
         "pass-rate differences (the decision uses it: `decision.max_pass_drop_p`)."])

@@ -50,6 +50,12 @@ def build_summary(cfg: Config) -> dict:
         "variants": variants,
         "recommendation": decide(variants, cfg.decision),
         "speed_noise": noise_floor(speed_run, cfg.decision.alpha),
+        # per suite: the original's pass rate and whether flips carry signal there (from the first evaluated variant:
+        # every variant is checked against the same reference replies)
+        "suites": {suite: {k: p.get(k) for k in ("conversations", "checks", "reference_pass_rate",
+                                                 "no_signal_for_flips")}
+                   for suite, p in (next((v.get("power") for v in variants.values() if v.get("power")), None)
+                                    or {}).items()},
         "speed_protocol": {"rounds": (speed_run or {}).get("rounds"), "order": (speed_run or {}).get("order"),
                            **{k: getattr(cfg.profile.speed, k) for k in ("prompt_tokens", "decode_tokens", "repeats",
                                                                          "warmup", "max_cpu_noise")}},
