@@ -19,6 +19,10 @@ CHECK_TYPES = ("contains", "not_contains", "regex", "number", "json", "echo", "j
 # small model manages at a useful rate: echo, JSON syntax, length, language, no loops). Reports may show them apart.
 GRADES = ("hard", "graded")
 LENGTH_UNITS = ("words", "lines", "bullets")
+NO_LOOP_N = 4                 # no_loop: word n-grams compared
+NO_LOOP_MAX_REPEATED = 0.3    # no_loop: most of the n-grams that may repeat an earlier one
+LANGUAGE_MIN_WORDS = 8        # language: fewer words than this have no language
+LANGUAGE_MIN_SHARE = 0.15     # language: least share of function words of the detected language
 MAX_TURNS = 8
 _RECORD_KEYS = {"id", "category", "system", "turns", "meta"}
 _TURN_KEYS = {"user", "max_new_tokens", "checks"}
@@ -313,8 +317,7 @@ def run_check(check: dict, reply: str) -> bool:
         found = sum(literal_in(v, reply, check.get("case_sensitive", False)) for v in values)
         return found >= check.get("min", len(values))
     if ctype == "json_valid":
-        obj = extract_json(reply)
-        return isinstance(obj, dict) and bool(obj)
+        return bool(first_json_object(reply))
     if ctype == "length":
         n = count_units(reply, check["unit"])
         return check.get("min", 0) <= n <= check.get("max", n)
@@ -339,6 +342,23 @@ def check_grade(check: dict) -> str:
 _WORD = re.compile(r"[^\W\d_]+")               # a run of letters (any script)
 _TOKEN = re.compile(r"\w+")                     # letters or digits: what a loop repeats
 _BULLET = re.compile(r"^\s*(?:[-*\u2022+]|\d{1,2}[.)])\s+\S")
+
+
+def first_json_object(text: str) -> dict | None:
+    """The JSON object the reply gives: the one that opens at the first "{" inside a ```json (or ```) fence, else
+    at the first "{" of the reply, parsed to its end (text after it is ignored). None when that object does not
+    parse (cut off, unquoted values, trailing commas, ...) or is not an object. Unlike extract_json, a broken outer
+    object is not rescued by a well-formed object nested inside it."""
+    fence = re.search(r"```(?:json)?[ \t]*\n?(.*?)(?:```|\Z)", text, re.DOTALL)
+    body = fence.group(1) if fence and "{" in fence.group(1) else text
+    start = body.find("{")
+    if start == -1:
+        return None
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(body, start)
+    except json.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def literal_in(value: str, text: str, case_sensitive: bool = False) -> bool:
@@ -367,8 +387,8 @@ def count_units(text: str, unit: str) -> int:
 
 def repeated_fraction(text: str, n: int = 4) -> float:
     """Share of the reply's word n-grams (lower-cased letter/digit tokens, punctuation ignored) that repeat an
-    n-gram seen earlier in the reply. Business prose stays well under 0.2; a reply stuck in a loop approaches
-    1 - period/length (a sentence repeated three times: about 0.6)."""
+    n-gram seen earlier in the reply. Business prose stays under 0.1; a reply stuck in a loop approaches
+    1 - period/length (a sentence said three times in a row: about 0.6)."""
     tokens = [t.lower() for t in _TOKEN.findall(text)]
     grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
     if not grams:
@@ -376,15 +396,11 @@ def repeated_fraction(text: str, n: int = 4) -> float:
     return 1 - len(set(grams)) / len(grams)
 
 
-NO_LOOP_N = 4
-NO_LOOP_MAX_REPEATED = 0.3
-LANGUAGE_MIN_WORDS = 8
-LANGUAGE_MIN_SHARE = 0.15
-
 # Frequent function words per language: a reply is in the language whose words make up the largest share of its
 # words (at least LANGUAGE_MIN_SHARE of them, and more than any other language's share). No dependency, no model;
 # enough to tell English, German, Spanish, French, Italian, Dutch and Portuguese prose apart, and to fail a reply
-# that is mostly digits, symbols, code or another script.
+# that is mostly digits, symbols, code or another script. The other lists leave out words that are also common
+# English words ("of", "is", "no", "as", ...), so English prose never ties with them.
 _STOPWORDS = {
     "en": set("""the and to of a an in is are was were be been being for on that this these those with as at by from
         it its or but not no we you your our us i me my he she they them their his her will would can could should
@@ -393,20 +409,20 @@ _STOPWORDS = {
     "de": set("""der die das und ist nicht ein eine einen einem einer zu den dem des mit sich auf für von im sie wir
         ich es bitte auch als bei oder aber wie noch nach aus wird werden wurde wurden sind haben hat habe kann können
         uns unser unsere ihr ihre ihnen ihren dass vielen dank mein meine meinen sehr geehrte geehrter zum zur vom
-        über bis wenn nur diese dieser dieses um gibt noch schon wir mir mich dir ihm""".split()),
-    "es": set("""el la los las del y que en un una unos unas es son por para con no su sus al lo como más pero se
+        über bis wenn nur diese dieser dieses um gibt schon mir mich dir ihm""".split()),
+    "es": set("""el la los las del y que en un una unos unas es son por para con su sus al lo como más pero se
         le les nos este esta estos estas ese esa muy ya hay fue ser está están gracias usted ustedes nuestro nuestra
-        nuestros sobre también cuando donde si sí mi me te hemos ha han puede pueden le todo todos""".split()),
+        nuestros sobre también cuando donde si sí mi te hemos ha han puede pueden todo todos""".split()),
     "fr": set("""le la les des du et un une est sont que qui pour dans par sur avec ne pas plus au aux ce cette ces
         nous vous votre vos notre nos il elle ils elles je se son sa ses mais ou si très merci bonjour été être
         avoir ont avons avez sera leur leurs tout tous comme""".split()),
-    "it": set("""il lo gli di del della dei delle e è un una uno che per con non su da dal dalla al alla come più
+    "it": set("""il lo gli di del della dei delle e è un una uno che con non su da dal dalla al alla come più
         ma anche sono questo questa questi ci si ha hanno grazie nostro nostra vostro vostra suo sua siamo essere
         nel nella sul sulla ogni""".split()),
-    "nl": set("""de het een en van is dat die te op voor met niet zijn er aan ook als bij om maar door naar dan of
-        wij we u uw ons onze ik je jullie wordt worden heeft hebben kan kunnen dit deze graag bedankt
-        alstublieft ook nog wel geen""".split()),
-    "pt": set("""o os as do da dos das e é um uma que em no na nos nas para por com não se ao mais mas como seu sua
+    "nl": set("""de het een en van dat die te op voor met niet zijn er aan ook als bij om maar door naar dan
+        wij u uw ons onze ik je jullie wordt worden heeft hebben kan kunnen dit deze graag bedankt
+        alstublieft nog wel geen""".split()),
+    "pt": set("""o os da dos das e é um uma que em na nos nas para por com não se ao mais mas como seu sua
         você vocês nosso nossa foi ser está estão obrigado obrigada também muito pelo pela ou já são""".split()),
 }
 

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from pipeline.config import PROJECT_ROOT
-from pipeline.prompts import PromptError, extract_json, load_suite, numbers_in, run_check, select
+from pipeline.prompts import (PromptError, check_grade, count_units, detect_language, extract_json, first_json_object,
+                              literal_in, load_suite, numbers_in, repeated_fraction, run_check, select)
 
 
 @pytest.mark.parametrize("suite,min_records,turns", [("long_output", 8, (1, 1)), ("multi_turn", 8, (4, 8)),
@@ -16,9 +17,76 @@ def test_shipped_suites_load_and_meet_their_shape(suite, min_records, turns):
     if suite == "multi_turn":
         assert all(sum(1 for t in c.turns if t.checks) >= 2 for c in convs)
         types = {ch["type"] for c in convs for t in c.turns for ch in t.checks}
-        assert {"contains", "regex", "number", "json"} <= types
+        assert {"contains", "regex", "number", "json", "echo", "json_valid", "length", "language", "no_loop"} <= types
     if suite == "smoke":
         assert len(convs) == 2
+
+
+@pytest.mark.parametrize("suite", ["long_output", "multi_turn"])
+def test_shipped_suites_carry_named_hard_and_graded_checks(suite):
+    convs = load_suite(suite, PROJECT_ROOT / "prompts" / f"{suite}.jsonl")
+    checks = [ch for c in convs for t in c.turns for ch in t.checks]
+    assert all(ch.get("name") for ch in checks)
+    assert {check_grade(ch) for ch in checks} == {"hard", "graded"}
+    # the default profile runs the first 8 conversations: each carries hard and graded checks
+    for c in convs[:8]:
+        grades = [check_grade(ch) for t in c.turns for ch in t.checks]
+        assert grades.count("graded") >= 2 and "hard" in grades, c.id
+    # each multi-turn turn that asks for JSON carries a json_valid check
+    for c in convs if suite == "multi_turn" else []:
+        for t in c.turns:
+            if "json" in t.user.lower():
+                assert any(ch["type"] == "json_valid" for ch in t.checks), (c.id, t.user)
+
+
+# Replies a damaged model produces: every graded check of the bundled suites must fail at least one of them,
+# else it carries no signal.
+DEGENERATE = {
+    "loop": "I'm sorry for any inconvenience, but I'm unable to provide the order details right now. " * 12,
+    "digit soup": "- 14:38:" + "14:" * 200,
+    "German": ("Sehr geehrte Damen und Herren, vielen Dank für Ihre Nachricht. Wir haben die Angaben geprüft und "
+               "melden uns bis morgen mit einer Bestätigung bei Ihnen. Mit freundlichen Grüßen, Ihr Kundenservice"),
+    "cut JSON": '```json\n{\n  "order_id": "123456789012345678901234567890123456789012345678901234567890',
+    "empty": "",
+}
+
+
+def _garble(value: str) -> str:
+    """Each letter or digit moved one step on (a->b, 9->0): a literal copied wrongly."""
+    def step(ch):
+        if ch.isdigit():
+            return str((int(ch) + 1) % 10)
+        if ch.isalpha() and ch.isascii():
+            base = "a" if ch.islower() else "A"
+            return chr((ord(ch) - ord(base) + 1) % 26 + ord(base))
+        return ch
+    return "".join(step(ch) for ch in value)
+
+
+@pytest.mark.parametrize("suite", ["long_output", "multi_turn"])
+def test_every_graded_check_fails_a_degenerate_reply(suite):
+    convs = load_suite(suite, PROJECT_ROOT / "prompts" / f"{suite}.jsonl")
+    for c in convs:
+        for t in c.turns:
+            for ch in t.checks:
+                if check_grade(ch) == "graded":
+                    failed = [k for k, reply in DEGENERATE.items() if not run_check(ch, reply)]
+                    assert failed, (c.id, ch)
+                    if ch["type"] in ("echo", "json_valid"):
+                        assert len(failed) == len(DEGENERATE), (c.id, ch)
+
+
+@pytest.mark.parametrize("suite", ["long_output", "multi_turn"])
+def test_echo_checks_pass_the_literals_and_fail_them_garbled_or_dropped(suite):
+    convs = load_suite(suite, PROJECT_ROOT / "prompts" / f"{suite}.jsonl")
+    echoes = [ch for c in convs for t in c.turns for ch in t.checks if ch["type"] == "echo"]
+    assert echoes
+    for ch in echoes:
+        values = [ch["value"]] if "value" in ch else ch["values"]
+        need = ch.get("min", len(values))
+        assert run_check(ch, "As requested: " + "; ".join(values) + "."), ch
+        assert not run_check(ch, "As requested: " + "; ".join(_garble(v) for v in values) + "."), ch
+        assert not run_check(ch, "As requested: " + "; ".join(values[:need - 1]) + "."), ch
 
 
 def _write(tmp_path, lines):
@@ -51,6 +119,50 @@ def test_malformed_records_fail_with_file_line_and_field(tmp_path, record, where
     assert f"{path}:2" in msg and where in msg
 
 
+def _one_check(check, user="Order AP-558213 for Priya, total $1,249.50. Reply in JSON."):
+    return json.dumps({"id": "a", "turns": [{"user": user, "checks": [check]}]})
+
+
+@pytest.mark.parametrize("check,where", [
+    ({"type": "contains", "value": "x", "name": ""}, "field 'turns[0].checks[0].name'"),
+    ({"type": "contains", "value": "x", "grade": "soft"}, "field 'turns[0].checks[0].grade': expected one of hard"),
+    ({"type": "echo", "value": "AP-999999"}, "'AP-999999' does not occur in this turn's user message"),
+    ({"type": "echo", "value": "AP-55821"}, "does not occur"),          # part of a longer ID is not the literal
+    ({"type": "echo", "values": ["AP-558213", "Gemma"], "min": 1}, "field 'turns[0].checks[0].values': 'Gemma'"),
+    ({"type": "echo"}, "field 'turns[0].checks[0].value': expected either 'value'"),
+    ({"type": "echo", "value": "Priya", "values": ["Priya"]}, "expected either 'value'"),
+    ({"type": "echo", "values": []}, "field 'turns[0].checks[0].values': expected a non-empty list"),
+    ({"type": "echo", "values": ["Priya", "AP-558213"], "min": 3}, "field 'turns[0].checks[0].min': expected an integer in 1..2"),
+    ({"type": "echo", "value": "Priya", "min": 1}, "field 'turns[0].checks[0].min': only allowed with 'values'"),
+    ({"type": "length", "unit": "pages", "max": 3}, "field 'turns[0].checks[0].unit'"),
+    ({"type": "length", "unit": "words"}, "field 'turns[0].checks[0].max': expected 'min', 'max' or both"),
+    ({"type": "length", "unit": "words", "min": 50, "max": 10}, "field 'turns[0].checks[0].min': min 50 is above max 10"),
+    ({"type": "length", "unit": "lines", "max": -1}, "field 'turns[0].checks[0].max': expected a non-negative integer"),
+    ({"type": "language", "value": "english"}, "field 'turns[0].checks[0].value': expected a language code"),
+    ({"type": "language"}, "field 'turns[0].checks[0].value'"),
+    ({"type": "no_loop", "n": 1}, "field 'turns[0].checks[0].n': expected an integer in 2..20"),
+    ({"type": "no_loop", "max_repeated": 1.5}, "field 'turns[0].checks[0].max_repeated': expected a fraction"),
+])
+def test_malformed_new_checks_fail_with_file_line_and_field(tmp_path, check, where):
+    path = _write(tmp_path, [json.dumps(GOOD), _one_check(check).replace('"a"', '"b"', 1)])
+    with pytest.raises(PromptError) as exc:
+        load_suite("custom", path)
+    msg = str(exc.value)
+    assert f"{path}:2" in msg and where in msg, msg
+
+
+def test_well_formed_new_checks_load_and_keep_their_grade(tmp_path):
+    checks = [{"type": "echo", "value": "ap-558213", "name": "echoes order", "grade": "graded"},
+              {"type": "echo", "values": ["Priya", "$1,249.50"], "min": 1, "grade": "graded"},
+              {"type": "json_valid", "grade": "graded"}, {"type": "length", "unit": "bullets", "max": 5},
+              {"type": "language", "value": "de"}, {"type": "no_loop", "n": 6, "max_repeated": 0.2},
+              {"type": "contains", "value": "AP-558213"}]
+    record = {"id": "a", "turns": [{"user": "Order AP-558213 for Priya, total $1,249.50.", "checks": checks}]}
+    conv, = load_suite("custom", _write(tmp_path, [json.dumps(record)]))
+    assert [check_grade(c) for c in conv.turns[0].checks] == ["graded"] * 3 + ["hard"] * 4
+    assert select([conv], 1, 50)[0].turns[0].checks == checks
+
+
 def test_duplicate_ids_and_empty_suites_are_errors(tmp_path):
     with pytest.raises(PromptError, match="duplicate id 'a'"):
         load_suite("custom", _write(tmp_path, [json.dumps(GOOD), json.dumps(GOOD)]))
@@ -79,3 +191,123 @@ def test_checks():
     assert not run_check({"type": "json", "schema": schema}, "no json here {oops}")
     assert extract_json('prefix {"a": {"b": 1}} suffix') == {"a": {"b": 1}}
     assert numbers_in("€2,000 and 3.5%") == [2000.0, 3.5]
+
+
+GOOD_EMAIL = """Dear Ms Brennan,
+
+Thank you for raising the March invoice with us. I have checked INV-20931 against your account QTB-771204 and
+agree that the roaming bundle (EUR 128.00) and the early termination adjustment (EUR 255.50) were charged in
+error. I have also applied the 10% goodwill credit on the Business Fibre 500 line for the outage on 4 March,
+which is EUR 31.00.
+
+The corrected invoice total is EUR 835.00, a total credit of EUR 414.50. The credit will be applied as soon as
+you confirm by replying to this email, and you will receive a revised invoice within two working days.
+
+Kind regards,
+Quayside Telecom Business billing support"""
+
+RUNBOOK = """## Pre-checks
+1. On bastion-db-01 run `patronictl -c /etc/patroni/orders-prod.yml list` and confirm pg-orders-prod-01 is the
+   leader and pg-orders-prod-02 is the sync standby with lag under 16 MB.
+2. Check for transactions older than 5 minutes with the query in the appendix; do not proceed if there are any.
+
+## Procedure
+1. Announce the start in #ops-bridge and notify pharmacy-int-oncall.
+2. Run `patronictl -c /etc/patroni/orders-prod.yml switchover --leader pg-orders-prod-01 --candidate pg-orders-prod-02`.
+3. Run `patronictl -c /etc/patroni/orders-prod.yml list` again: pg-orders-prod-02 must now be the leader.
+
+## Verification
+| Check | Expected |
+|---|---|
+| HAProxy GET /primary on port 8008 | 200 from pg-orders-prod-02 only |
+| orders-api error rate | under 1% within 5 minutes |
+
+## Rollback
+If the error rate stays above 1% for 5 minutes, run the switchover command with the hosts swapped."""
+
+
+def test_echo():
+    reply = "Your order AP-558213 totals $1,249.50; we'll ship it to Denver."
+    assert run_check({"type": "echo", "value": "AP-558213"}, reply)
+    assert run_check({"type": "echo", "value": "ap-558213"}, reply)                      # case-insensitive by default
+    assert not run_check({"type": "echo", "value": "ap-558213", "case_sensitive": True}, reply)
+    assert not run_check({"type": "echo", "value": "AP-558213"}, "Your order AP-558231 totals $1,249.50.")  # garbled
+    assert not run_check({"type": "echo", "value": "AP-558213"}, "Your order AP-5582130 is on its way.")
+    assert run_check({"type": "echo", "value": "$1,249.50"}, reply)
+    assert not run_check({"type": "echo", "value": "$1,249.50"}, "It comes to $1,294.50.")
+    assert not run_check({"type": "echo", "value": "18"}, "180 pallets were booked in 2018.")
+    check = {"type": "echo", "values": ["AP-558213", "$1,249.50", "Denver"], "min": 2}
+    assert run_check(check, reply) and run_check(check, "AP-558213 ships to Denver.")
+    assert not run_check(check, "Your order ships to Denver.")                           # a fact dropped
+    assert run_check({"type": "echo", "values": ["AP-558213", "Denver"]}, reply)          # min defaults to all
+    assert not run_check({"type": "echo", "values": ["AP-558213", "Boulder"]}, reply)
+    assert literal_in("14:38", "at 14:38, the rollback") and not literal_in("4:38", "at 14:38")
+
+
+def test_json_valid():
+    check = {"type": "json_valid"}
+    assert run_check(check, 'Here it is:\n```json\n{"order_id": "AP-558213", "new_total": 382.25}\n```\nAnything else?')
+    assert run_check(check, '{"order_id": "AP-558213", "items": [{"sku": "TH2-GRN"}]} Let me know.')
+    assert run_check(check, '```\n{"a": 1}\n```')
+    # damaged: cut off at the budget, unquoted values, trailing comma, broken outer object around a valid inner one
+    assert not run_check(check, '```json\n{"order_id": "AP-558213", "new_total": 38')
+    assert not run_check(check, '{"ticket_id": 2022-01-22 12:32:53, "priority": 1}')
+    assert not run_check(check, '{"a": 1,}')
+    assert not run_check(check, '{"customer": {"plan": {"name": "Team"}, "plan_json": {"plan_json_json": ')
+    assert extract_json('{"customer": {"plan": {"name": "Team"}, "plan_json": {') == {"name": "Team"}   # the lenient one
+    # not JSON at all, an array, or an empty object
+    assert not run_check(check, "The order number is AP-558213.")
+    assert not run_check(check, "[1, 2, 3]") and not run_check(check, "{}") and not run_check(check, "")
+    assert first_json_object('{"a": {"b": [1, "}"]}} trailing') == {"a": {"b": [1, "}"]}}
+
+
+def test_length():
+    assert count_units("Dear Ana,\n\nthe total is $1,249.50 - thanks!", "words") == 7    # "-" is not a word
+    assert count_units("a\n\n b \n  \nc", "lines") == 3
+    bullets = "Risks:\n- churn\n* pricing\n• timing\n1. budget\n2) legal\n-not a bullet\n12.5% is not one"
+    assert count_units(bullets, "bullets") == 5
+    five = {"type": "length", "unit": "bullets", "min": 2, "max": 5}
+    assert run_check(five, bullets)
+    assert not run_check(five, bullets + "\n- a sixth")
+    assert not run_check(five, "There are several risks: churn, pricing and timing.")  # asked for a list
+    words = {"type": "length", "unit": "words", "min": 40, "max": 150}
+    assert run_check(words, GOOD_EMAIL)
+    assert not run_check(words, GOOD_EMAIL * 2)                                            # too long
+    assert not run_check(words, "Dear Mirela, the quote is EUR 21,880.")                   # stopped early
+    assert run_check({"type": "length", "unit": "lines", "max": 2}, "AP-558213, Denver.")
+
+
+def test_language():
+    assert detect_language(GOOD_EMAIL) == "en"
+    assert run_check({"type": "language", "value": "en"}, GOOD_EMAIL)
+    assert run_check({"type": "language", "value": "de"}, DEGENERATE["German"])
+    assert not run_check({"type": "language", "value": "en"}, DEGENERATE["German"])      # switched language
+    spanish = ("Estimada señora Brennan, gracias por su mensaje. Hemos revisado la factura y el abono es correcto; "
+               "lo aplicaremos cuando usted lo confirme.")
+    french = ("Madame, merci pour votre message. Nous avons vérifié la facture et le crédit sera appliqué dès que "
+              "vous nous aurez confirmé votre accord.")
+    assert detect_language(spanish) == "es" and detect_language(french) == "fr"
+    assert not run_check({"type": "language", "value": "fr"}, GOOD_EMAIL)
+    for damaged in (DEGENERATE["digit soup"], DEGENERATE["cut JSON"], "Thanks, noted.", "",
+                    "| HX-2201 | 1,240 | 0 | 310 | 3 | 400 |\n| HX-2202 | 860 | 500 | 265 | 3 | 350 |",
+                    "这是一个测试回复，我们已经检查了发票并确认了信用额度。" * 3):
+        assert not run_check({"type": "language", "value": "en"}, damaged), damaged
+
+
+def test_no_loop():
+    check = {"type": "no_loop"}
+    assert repeated_fraction(GOOD_EMAIL) < 0.1 and run_check(check, GOOD_EMAIL)
+    assert repeated_fraction(RUNBOOK) < 0.1 and run_check(check, RUNBOOK)   # a repeated command and a table are fine
+    assert run_check(check, "AP-558213, Denver.") and run_check(check, "")
+    sentence = "The customer confirms that they are using the Fibre 500, which is a standard Fibre 500. "
+    assert 0.55 < repeated_fraction(sentence * 3) < 0.7
+    assert not run_check(check, "Aoife,\n\nI'm glad to hear your invoice is in order. " + sentence * 3)
+    assert not run_check(check, DEGENERATE["loop"]) and not run_check(check, DEGENERATE["digit soup"])
+    assert not run_check(check, "Booking reference: " + "18 pallets of porcelain floor tiles, " * 8)
+    assert not run_check(check, GOOD_EMAIL + "\n" + "\n".join(["Priya"] * 60))  # a loop after a good start
+    # stricter settings
+    base = "alpha bravo charlie delta echo foxtrot golf hotel india juliet"
+    text = f"{base} {base} kilo lima mike november oscar papa quebec romeo sierra tango uniform victor"
+    assert 0.2 < repeated_fraction(text) < 0.3 and run_check(check, text)      # 7 of 29 4-grams repeat
+    assert not run_check({"type": "no_loop", "max_repeated": 0.2}, text)
+    assert run_check({"type": "no_loop", "n": 11, "max_repeated": 0.2}, text)
