@@ -108,6 +108,84 @@ class TurnResult:
     decode_tokens_per_s: float | None
 
 
+class _ConversationState:
+    """One conversation advancing turn by turn (the measurement path: one token stream, replies as exact ids)."""
+
+    def __init__(self, conv: Conversation, renderer: ChatRenderer, max_context: int | None):
+        self.conv, self.renderer, self.max_context = conv, renderer, max_context
+        self.messages = base_messages(conv)
+        self.ids: list[int] = []
+        self.turns: list[TurnResult] = []
+        self.started = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return len(self.turns) == len(self.conv.turns)
+
+    def next_request(self) -> tuple[list[int], int]:
+        i = len(self.turns)
+        turn = self.conv.turns[i]
+        if i > 0:
+            self.messages.append({"role": "assistant", "content": self.turns[-1].text})
+        self.messages.append({"role": "user", "content": turn.user})
+        if i == 0:
+            self.ids = self.renderer.first_prompt(self.messages)
+        else:
+            prev = self.turns[-1]
+            self.ids = self.renderer.next_prompt(self.messages[:-2], self.ids[: prev.start],
+                                                 self.ids[prev.start: prev.end], prev.text, turn.user)
+        budget = turn.max_new_tokens or 512
+        if self.max_context and len(self.ids) + budget > self.max_context:
+            raise ConfigError(f"conversation {self.conv.suite}/{self.conv.id} turn {i + 1}: {len(self.ids)} prompt "
+                              f"tokens + {budget} reply tokens exceed the model's context of {self.max_context} tokens")
+        return self.ids, budget
+
+    def finish_turn(self, gen, text: str) -> None:
+        turn = self.conv.turns[len(self.turns)]
+        decode_s = sum(gen.decode_times_s)
+        self.turns.append(TurnResult(
+            start=len(self.ids), end=len(self.ids) + len(gen.ids), text=text, stop=gen.stop,
+            checks=[run_check(c, text) for c in turn.checks],
+            check_labels=[check_label(c, j) for j, c in enumerate(turn.checks)],
+            prompt_tokens=gen.prompt_tokens, prefill_tokens=gen.prefill_tokens, ttft_s=gen.ttft_s,
+            decode_tokens_per_s=(len(gen.decode_times_s) / decode_s) if decode_s > 0 else None,
+        ))
+        self.ids = self.ids + gen.ids
+
+    def result(self) -> dict:
+        return {"id": self.conv.id, "suite": self.conv.suite, "ids": self.ids,
+                "turns": [t.__dict__ for t in self.turns], "wall_s": time.perf_counter() - self.started}
+
+
+def run_conversations(runtime: Runtime, renderer: ChatRenderer, convs: list[Conversation], stop_ids: list[int],
+                      max_context: int | None = None, width: int = 4, on_done=None) -> list[dict]:
+    """Free-running through several conversations at once on a batched runtime: up to ``width`` conversations
+    occupy a slot each; every round, each occupied slot's next turn is generated in one batched call
+    (``Runtime.generate_many``), each conversation keeping its own history and its own KV cells; a finished
+    conversation frees its slot for the next. ``on_done(result)`` is called as each one finishes (a journal
+    writes it, so an interrupted run resumes). Results in the order of ``convs``; the same tokens as
+    ``run_conversation`` up to the last bits of batched float arithmetic."""
+    queue = list(convs)
+    slots: list[_ConversationState | None] = [None] * max(1, width)
+    results: dict[str, dict] = {}
+    while queue or any(slots):
+        for k in range(len(slots)):
+            if slots[k] is None and queue:
+                slots[k] = _ConversationState(queue.pop(0), renderer, max_context)
+        live = [k for k, st in enumerate(slots) if st is not None]
+        requests = [(k, *slots[k].next_request()) for k in live]
+        gens = runtime.generate_many(requests, stop_ids, slots=len(slots))
+        for k, gen in zip(live, gens):
+            st = slots[k]
+            st.finish_turn(gen, renderer.decode(gen.ids))
+            if st.done:
+                results[st.conv.id] = st.result()
+                if on_done:
+                    on_done(results[st.conv.id])
+                slots[k] = None
+    return [results[c.id] for c in convs]
+
+
 def run_conversation(runtime: Runtime, renderer: ChatRenderer, conv: Conversation, stop_ids: list[int],
                      max_context: int | None = None, served: bool = False) -> dict:
     """Greedy free-running through every turn; the model's own replies are carried into later turns.

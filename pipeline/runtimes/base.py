@@ -153,6 +153,20 @@ class Runtime(abc.ABC):
         """The text such a server returns for generated ``ids``. Only where ``own_tokenizer``."""
         raise NotImplementedError(f"runtime {self.name!r} has no tokenizer of its own")
 
+    # True when ``generate_many`` decodes several sequences in one batch (else it runs them one after another).
+    batched: bool = False
+
+    def generate_many(self, requests: Sequence[tuple[int, Sequence[int], int]], stop_ids: Sequence[int],
+                      slots: int = 1) -> list[Generation]:
+        """Greedy replies to several prompts: ``requests`` are (slot, prompt_ids, max_new_tokens), a slot being a
+        sequence whose cache a later request for the same slot may reuse (a conversation's next turn). This
+        default runs them one at a time through ``generate``; a batched runtime decodes them together."""
+        out = []
+        for _, prompt, budget in requests:
+            self.reset()
+            out.append(self.generate(prompt, budget, stop_ids))
+        return out
+
     def reset(self) -> None:
         """Forget any cached prefix so the next ``generate`` starts cold."""
 

@@ -181,6 +181,136 @@ class LlamaCppRuntime(FullLogitsRuntime):
         return Generation(ids=ids, stop=stop, prompt_tokens=len(prompt), prefill_tokens=len(prompt) - reuse,
                           ttft_s=ttft, decode_times_s=times)
 
+    batched = True
+
+    def _slots_context(self, slots: int, per_seq_ctx: int):
+        """A second context over the same weights holding ``slots`` sequences, each with its own ``per_seq_ctx``
+        cells (llama.cpp's split KV streams, as llama-batched-bench and llama-server's parallel slots use by
+        default), and a batch able to carry one token per sequence or a prompt chunk. Kept while the shape fits."""
+        import ctypes
+
+        import llama_cpp
+        from llama_cpp import _internals
+
+        have = getattr(self, "_multi", None)
+        if have and have["slots"] >= slots and have["per_seq_ctx"] >= per_seq_ctx:
+            return have
+        if have:
+            have["batch"].close()
+            have["ctx"].close()
+        params = llama_cpp.llama_context_params.from_buffer_copy(self.llm.context_params)
+        params.n_seq_max = slots
+        params.n_ctx = slots * per_seq_ctx
+        params.kv_unified = False
+        ctx = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
+        n_tokens = max(int(params.n_batch), slots)
+        batch = _internals.LlamaBatch(n_tokens=n_tokens, embd=0, n_seq_max=1, verbose=False)
+        self._multi = {"slots": slots, "per_seq_ctx": per_seq_ctx, "ctx": ctx, "batch": batch,
+                       "n_batch": n_tokens, "cached": [[] for _ in range(slots)], "ctypes": ctypes}
+        return self._multi
+
+    def generate_many(self, requests: Sequence[tuple[int, Sequence[int], int]], stop_ids: Sequence[int],
+                      slots: int = 1) -> list[Generation]:
+        """Greedy decoding of several sequences together, as llama.cpp's batched tools do: every step is ONE
+        llama_batch holding the next token of each live sequence (its own seq id and position), so the weights
+        are read once per step for all of them; prompts are prefilled in shared n_batch chunks. A slot keeps its
+        KV cells between calls: a conversation's next turn prefills only the tokens after the common prefix.
+        Batched float arithmetic may differ from single-sequence decoding in the last bits; ``make bench``
+        measures the greedy-token agreement."""
+        import time
+
+        import llama_cpp
+
+        if not requests:
+            return []
+        stops = set(int(t) for t in stop_ids)
+        slots = max(slots, 1 + max(r[0] for r in requests))
+        per_seq = max(len(p) + n for _, p, n in requests)
+        per_seq = ((per_seq + 255) // 256) * 256
+        m = self._slots_context(slots, max(per_seq, getattr(self, "_multi", {}).get("per_seq_ctx", 0)))
+        ctx, batch, n_batch, cached = m["ctx"], m["batch"], m["n_batch"], m["cached"]
+        raw = batch.batch
+        n = len(requests)
+        prompts = [[int(t) for t in p] for _, p, _ in requests]
+        seq = [r[0] for r in requests]
+        budgets = [r[2] for r in requests]
+        if len(set(seq)) != n:
+            raise ValueError("generate_many: two requests for the same slot")
+        # prefix reuse per slot: keep the cells of the common prefix, at least one token left to evaluate
+        todo = []
+        for i in range(n):
+            reuse = 0
+            for a, b in zip(cached[seq[i]], prompts[i]):
+                if a != b:
+                    break
+                reuse += 1
+            reuse = min(reuse, len(prompts[i]) - 1)
+            llama_cpp.llama_memory_seq_rm(ctx.memory, seq[i], reuse, -1)
+            todo.append(reuse)
+
+        def run(entries: list[tuple[int, int, int, bool]]) -> None:
+            """entries: (token, position, seq id, wants logits) -> one decode."""
+            raw.n_tokens = len(entries)
+            for j, (tok, pos, sid, want) in enumerate(entries):
+                raw.token[j] = tok
+                raw.pos[j] = pos
+                raw.seq_id[j][0] = sid
+                raw.n_seq_id[j] = 1
+                raw.logits[j] = want
+            rc = llama_cpp.llama_decode(ctx.ctx, raw)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed ({rc}) with {len(entries)} tokens in the batch")
+
+        def argmax(row: int) -> int:
+            ptr = llama_cpp.llama_get_logits_ith(ctx.ctx, row)
+            return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+
+        t0 = time.perf_counter()
+        first: list[int | None] = [None] * n
+        ttft = [0.0] * n
+        # prefill: every request's remaining prompt tokens, packed into n_batch chunks in request order
+        stream = [(i, k) for i in range(n) for k in range(todo[i], len(prompts[i]))]
+        for start in range(0, len(stream), n_batch):
+            part = stream[start:start + n_batch]
+            run([(prompts[i][k], k, seq[i], k == len(prompts[i]) - 1) for i, k in part])
+            for j, (i, k) in enumerate(part):
+                if k == len(prompts[i]) - 1:
+                    first[i] = argmax(j)
+                    ttft[i] = time.perf_counter() - t0
+        ids: list[list[int]] = [[] for _ in range(n)]
+        stop = ["length"] * n
+        times: list[list[float]] = [[] for _ in range(n)]
+        nxt = list(first)
+        live = []
+        for i in range(n):
+            if nxt[i] in stops:
+                stop[i] = "eos"
+                continue
+            ids[i].append(nxt[i])
+            if len(ids[i]) < budgets[i]:
+                live.append(i)
+        while live:
+            t = time.perf_counter()
+            run([(ids[i][-1], len(prompts[i]) + len(ids[i]) - 1, seq[i], True) for i in live])
+            step = [argmax(j) for j in range(len(live))]
+            dt = time.perf_counter() - t
+            still = []
+            for i, tok in zip(live, step):
+                times[i].append(dt)
+                if tok in stops:
+                    stop[i] = "eos"
+                    continue
+                ids[i].append(tok)
+                if len(ids[i]) < budgets[i]:
+                    still.append(i)
+            live = still
+        out = []
+        for i in range(n):
+            cached[seq[i]] = prompts[i] + ids[i][:len(times[i])]      # the tokens whose cells exist
+            out.append(Generation(ids=ids[i], stop=stop[i], prompt_tokens=len(prompts[i]),
+                                  prefill_tokens=len(prompts[i]) - todo[i], ttft_s=ttft[i], decode_times_s=times[i]))
+        return out
+
     def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One pass over ``ids`` in n_batch chunks, asking llama.cpp for output rows only at ``positions``: the
         vocabulary projection of every other token is skipped (about 30 % of prefill time on small models)."""
@@ -253,5 +383,11 @@ class LlamaCppRuntime(FullLogitsRuntime):
         return out
 
     def close(self) -> None:
+        multi = getattr(self, "_multi", None)
+        if multi:
+            with contextlib.suppress(Exception):
+                multi["batch"].close()
+                multi["ctx"].close()
+            self._multi = None
         with contextlib.suppress(Exception):
             self.llm.close()
