@@ -202,12 +202,16 @@ class ProfileConfig:
     # re-tokenizes the model's own earlier replies; a single-turn suite without divergence feeds both paths the
     # same ids, so it would measure nothing); always: every suite; never: off.
     deployment_path: str = "auto"
+    # Conversations generated at once (their own slots in one llama_batch per step) on a runtime that batches
+    # sequences (llama.cpp); 1: one at a time. The reference and every variant use the same setting.
+    batch: int = 1
 
     DEPLOYMENT_PATHS = ("diverging", "auto", "always", "never")
 
     def __post_init__(self) -> None:
         _one_of("profile.deployment_path", self.deployment_path, self.DEPLOYMENT_PATHS)
         _positive_int("profile.max_conversations", self.max_conversations, allow_none=True)
+        _positive_int("profile.batch", self.batch)
         _positive_int("profile.max_new_tokens_cap", self.max_new_tokens_cap, allow_none=True)
         for suite, over in (self.per_suite or {}).items():
             for key, value in (over or {}).items():

@@ -186,6 +186,28 @@ def run_conversations(runtime: Runtime, renderer: ChatRenderer, convs: list[Conv
     return [results[c.id] for c in convs]
 
 
+def free_run(runtime: Runtime, renderer: ChatRenderer, convs: list[Conversation], stop_ids: list[int],
+             max_context: int | None, width: int, on_done, desc: str) -> None:
+    """Every conversation of ``convs`` free-running, each result handed to ``on_done`` as it finishes: ``width``
+    at once on a runtime that batches sequences (``Runtime.batched``), else one after another."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(convs), desc=desc, unit="conv")
+    try:
+        if width > 1 and runtime.batched and len(convs) > 1:
+            def done(result: dict) -> None:
+                on_done(result)
+                bar.update(1)
+
+            run_conversations(runtime, renderer, convs, stop_ids, max_context, width, on_done=done)
+        else:
+            for conv in convs:
+                on_done(run_conversation(runtime, renderer, conv, stop_ids, max_context))
+                bar.update(1)
+    finally:
+        bar.close()
+
+
 def run_conversation(runtime: Runtime, renderer: ChatRenderer, conv: Conversation, stop_ids: list[int],
                      max_context: int | None = None, served: bool = False) -> dict:
     """Greedy free-running through every turn; the model's own replies are carried into later turns.

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from pipeline import metrics
 from pipeline.catalogue import SCHEMA_VERSION
 from pipeline.config import Config
-from pipeline.conversation import ChatRenderer, run_conversation
+from pipeline.conversation import ChatRenderer, free_run, run_conversation
 from pipeline.prepare import Original
 from pipeline.prompts import Conversation
 from pipeline.quantizers.base import Artifact
@@ -194,6 +194,7 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
         "schema_version": SCHEMA_VERSION,    # an evaluation from another contract is recomputed, never misread
         **_runtime_key(cfg, artifact),
         "references": {s: r.hash for s, r in refs.items()},
+        **({"batch": cfg.profile.batch} if cfg.profile.batch > 1 else {}),
     }
     stop_ids = original.facts["eos_token_ids"]
     reuse_reference = reuses_reference(cfg, artifact, producer)
@@ -234,14 +235,11 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
                 gen_rt, fr_note = _choose_generator(cfg, rt, artifact, refs, original, need)
             for s in need_fr:
                 convs = {c.id: c for c in suites[s]}
-                per_conv = {}
                 conv_journal = Journal(out_dir, f"free_running_{s}", key)
-                for tr in tqdm(refs[s].transcripts, desc=f"free-running {s} ({variant.name})", unit="conv"):
-                    if tr["id"] not in conv_journal:
-                        conv_journal.add(tr["id"], run_conversation(gen_rt, renderer, convs[tr["id"]], stop_ids,
-                                                                    original.facts.get("context_length")))
-                    per_conv[tr["id"]] = conv_journal.get(tr["id"])
-                fr_journal.add(s, per_conv)
+                todo = [convs[tr["id"]] for tr in refs[s].transcripts if tr["id"] not in conv_journal]
+                free_run(gen_rt, renderer, todo, stop_ids, original.facts.get("context_length"), cfg.profile.batch,
+                         lambda tr: conv_journal.add(tr["id"], tr), f"free-running {s} ({variant.name})")
+                fr_journal.add(s, {tr["id"]: conv_journal.get(tr["id"]) for tr in refs[s].transcripts})
             if gen_rt is not rt:
                 gen_rt.close()
             if fr_note is not None:

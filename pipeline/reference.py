@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.config import Config, ConfigError, VariantConfig
-from pipeline.conversation import ChatRenderer, base_messages, run_conversation
+from pipeline.conversation import ChatRenderer, base_messages, free_run
 from pipeline.prepare import Original
 from pipeline.prompts import Conversation
 from pipeline.runtimes import load_runtime
@@ -210,6 +210,7 @@ def build_reference(cfg: Config, original: Original, renderer: ChatRenderer, sui
         "producer": producer["name"], "producer_hash": producer["hash"],
         "conversations": stable_hash(convs),
         "top_k": cfg.reference.top_k,
+        **({"batch": cfg.profile.batch} if cfg.profile.batch > 1 else {}),   # batched arithmetic: other last bits
         "template": original.facts.get("chat_template_hash"),
         "runtime_settings": runtime_class(producer["variant"].runtime).key_settings(cfg.runtime),
     }
@@ -222,9 +223,11 @@ def build_reference(cfg: Config, original: Original, renderer: ChatRenderer, sui
             need = context_needed(convs, renderer)
             n_ctx = n_ctx_for(need, original.facts.get("context_length"))
             rt = load_runtime(producer["variant"], producer["path"], cfg, n_ctx=n_ctx)
-            for conv in tqdm(todo, desc=f"reference {suite} ({producer['name']})", unit="conv"):
-                gen_journal.add(conv.id, run_conversation(rt, renderer, conv, stop_ids, original.facts.get("context_length")))
-            rt.close()
+            try:
+                free_run(rt, renderer, todo, stop_ids, original.facts.get("context_length"), cfg.profile.batch,
+                         lambda tr: gen_journal.add(tr["id"], tr), f"reference {suite} ({producer['name']})")
+            finally:
+                rt.close()
         transcripts = [gen_journal.get(c.id) for c in convs]
 
         score_journal = Journal(out_dir, "scores", key)

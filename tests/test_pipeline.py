@@ -62,6 +62,24 @@ def test_tiny_model_end_to_end_and_second_run_recomputes_nothing(tiny_cfg, tmp_p
 
 
 @pytest.mark.slow
+def test_a_batched_profile_generates_what_the_single_sequence_one_does(tiny_cfg, tmp_path):
+    """profile.batch=2: the reference and the variant's free-running run two conversations at once on llama.cpp;
+    the transcripts carry the same tokens as one-at-a-time generation on at least 99 % of positions."""
+    from pipeline.store import read_jsonl
+
+    assert run(tiny_cfg("variant=gguf_q8_0")) == 0
+    assert run(tiny_cfg("variant=gguf_q8_0", "profile.batch=2", "run.name=batched")) == 0
+    ref = tmp_path / "artifacts" / "tiny" / "reference"
+    one, two = (read_jsonl(ref / name / "smoke" / "transcripts.jsonl") for name in ("smoke", "batched"))
+    assert [t["id"] for t in one] == [t["id"] for t in two]
+    same = sum(a == b for x, y in zip(one, two) for a, b in zip(x["ids"], y["ids"]))
+    assert same / sum(len(x["ids"]) for x in one) >= 0.99
+    manifest = json.loads((tmp_path / "artifacts" / "tiny" / "runs" / "batched" / "gguf_q8_0" / "manifest.json")
+                          .read_text())
+    assert manifest["key"]["batch"] == 2
+
+
+@pytest.mark.slow
 def test_a_skipped_variant_is_reported_with_its_reason(tiny_cfg):
     cfg = tiny_cfg("command=report", "run.variants=[original,gguf_q4_0]")
     run(tiny_cfg("variant=original"))
