@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from pipeline.config import ConfigError, known_variants, load_variant
+from pipeline.config import PROJECT_ROOT, ConfigError, known_variants, load_variant
 from tests.conftest import compose
 
 EXPECTED_VARIANTS = {"original", "gguf_f16", "gguf_q8_0", "gguf_q6_k", "gguf_q5_k_m", "gguf_q4_k_m", "gguf_q4_0"}
@@ -76,3 +76,22 @@ def test_profile_sections_are_typed():
     cfg = compose(["profile=quick"])
     assert cfg.profile.speed.decode_tokens > 0
     assert cfg.profile.limits("long_output")[1] >= cfg.profile.limits("multi_turn")[1]
+
+
+@pytest.mark.parametrize("group, cls_name", [("profile", "ProfileConfig"), ("decision", "DecisionConfig")])
+def test_every_setting_is_in_every_yaml_so_the_command_line_can_override_it(group, cls_name):
+    """Hydra refuses `profile.batch=2` when the YAML lacks the key (struct mode): every field of the dataclass
+    (and of the speed block) must be written in every option file of its group."""
+    import dataclasses
+
+    import yaml
+
+    import pipeline.config as config
+
+    fields = {f.name for f in dataclasses.fields(getattr(config, cls_name))}
+    for path in sorted((PROJECT_ROOT / "conf" / group).glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        assert not fields - set(data), f"{path.name} lacks {sorted(fields - set(data))}"
+        if group == "profile":
+            speed = {f.name for f in dataclasses.fields(config.SpeedConfig)}
+            assert not speed - set(data["speed"]), f"{path.name} speed lacks {sorted(speed - set(data['speed']))}"
