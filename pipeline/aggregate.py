@@ -13,7 +13,7 @@ from pipeline.speed import trial_figures
 from pipeline.stats import conversation_intervals, conversation_test, minimum_detectable
 from pipeline.store import read_json, read_jsonl
 
-__all__ = ["SCHEMA_VERSION", "variant_summary", "capacity_plan"]
+__all__ = ["SCHEMA_VERSION", "variant_summary", "capacity_plan", "pooled_exactness"]
 def kv_bytes_per_token_formula(facts: dict, element_bytes: float) -> float:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
     return 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"] * element_bytes
@@ -27,6 +27,18 @@ def kv_reported_per_token(kv: dict | None) -> float | None:
     if kv.get("allocated_bytes") and kv.get("allocated_cells"):
         return kv["allocated_bytes"] / kv["allocated_cells"]
     return kv["bytes"] / kv["tokens"] if kv.get("tokens") else None
+
+
+def pooled_exactness(exactness: dict | None) -> dict | None:
+    """The per-suite samples of stored vs exact KLD pooled by tokens: {"ratio" (None when the exact KLD is 0),
+    "exact_mean", "tokens"}; None without a sample."""
+    ex = [e for e in (exactness or {}).values() if e and e.get("kld_exact_mean") is not None]
+    tokens = sum(e["tokens"] for e in ex)
+    if not tokens:
+        return None
+    exact = sum(e["kld_exact_mean"] * e["tokens"] for e in ex)
+    stored = sum(e["kld_stored_mean"] * e["tokens"] for e in ex)
+    return {"ratio": stored / exact if exact > 0 else None, "exact_mean": exact / tokens, "tokens": tokens}
 
 
 def drift_figures(tf: dict) -> dict:
@@ -254,10 +266,7 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
                                                            "trials", "noisy_trials", "cpu_noise")}}
     drift = drift_figures(tf)
     exactness = result["evaluation"].get("kld_exactness") or {}
-    ex = [e for e in exactness.values() if e and e.get("kld_exact_mean") is not None]
-    exact_sum = sum(e["kld_exact_mean"] * e["tokens"] for e in ex)
-    drift["kld_stored_exact_ratio"] = (sum(e["kld_stored_mean"] * e["tokens"] for e in ex) / exact_sum
-                                       if exact_sum > 0 else None)
+    drift["kld_stored_exact_ratio"] = (pooled_exactness(exactness) or {}).get("ratio")
     free = free_running_figures(samples, degeneration, seed)
     recall = recall_figures(tf, samples)
     intervals = conversation_intervals(tf, samples, seed)

@@ -109,10 +109,13 @@ class TurnResult:
 
 
 class _ConversationState:
-    """One conversation advancing turn by turn (the measurement path: one token stream, replies as exact ids)."""
+    """One conversation advancing turn by turn. The measurement path (``served`` None): one token stream,
+    replies carried as their exact ids. The deployment path (``served``: the runtime): each turn's chat rendered
+    to text and tokenized by that runtime's own tokenizer."""
 
-    def __init__(self, conv: Conversation, renderer: ChatRenderer, max_context: int | None):
-        self.conv, self.renderer, self.max_context = conv, renderer, max_context
+    def __init__(self, conv: Conversation, renderer: ChatRenderer, max_context: int | None,
+                 served: Runtime | None = None):
+        self.conv, self.renderer, self.max_context, self.served = conv, renderer, max_context, served
         self.messages = base_messages(conv)
         self.ids: list[int] = []
         self.turns: list[TurnResult] = []
@@ -128,7 +131,9 @@ class _ConversationState:
         if i > 0:
             self.messages.append({"role": "assistant", "content": self.turns[-1].text})
         self.messages.append({"role": "user", "content": turn.user})
-        if i == 0:
+        if self.served is not None:
+            self.ids = self.served.tokenize_served(self.renderer.render(self.messages))
+        elif i == 0:
             self.ids = self.renderer.first_prompt(self.messages)
         else:
             prev = self.turns[-1]
@@ -216,42 +221,10 @@ def run_conversation(runtime: Runtime, renderer: ChatRenderer, conv: Conversatio
     carried as their exact ids, so every runtime sees the same ids. ``served=True`` (the deployment path): each
     turn's conversation is rendered to text and tokenized by the runtime's own tokenizer, and replies are
     detokenized by it, as a server that receives chat messages does (``Runtime.tokenize_served``)."""
-    messages = base_messages(conv)
-    ids: list[int] = []
-    turns: list[TurnResult] = []
     runtime.reset()
-    started = time.perf_counter()
-    for i, turn in enumerate(conv.turns):
-        if i > 0:
-            messages.append({"role": "assistant", "content": turns[-1].text})
-        messages.append({"role": "user", "content": turn.user})
-        if served:
-            ids = runtime.tokenize_served(renderer.render(messages))
-        elif i == 0:
-            ids = renderer.first_prompt(messages)
-        else:
-            prev = turns[-1]
-            ids = renderer.next_prompt(messages[:-2], ids[: prev.start], ids[prev.start: prev.end], prev.text,
-                                       turn.user)
-        budget = turn.max_new_tokens or 512
-        if max_context and len(ids) + budget > max_context:
-            raise ConfigError(f"conversation {conv.suite}/{conv.id} turn {i + 1}: {len(ids)} prompt tokens + "
-                              f"{budget} reply tokens exceed the model's context of {max_context} tokens")
+    state = _ConversationState(conv, renderer, max_context, runtime if served else None)
+    while not state.done:
+        ids, budget = state.next_request()
         gen = runtime.generate(ids, budget, stop_ids)
-        text = runtime.detokenize_served(gen.ids) if served else renderer.decode(gen.ids)
-        decode_s = sum(gen.decode_times_s)
-        turns.append(TurnResult(
-            start=len(ids), end=len(ids) + len(gen.ids), text=text, stop=gen.stop,
-            checks=[run_check(c, text) for c in turn.checks],
-            check_labels=[check_label(c, j) for j, c in enumerate(turn.checks)],
-            prompt_tokens=gen.prompt_tokens, prefill_tokens=gen.prefill_tokens, ttft_s=gen.ttft_s,
-            decode_tokens_per_s=(len(gen.decode_times_s) / decode_s) if decode_s > 0 else None,
-        ))
-        ids = ids + gen.ids
-    return {
-        "id": conv.id,
-        "suite": conv.suite,
-        "ids": ids,
-        "turns": [t.__dict__ for t in turns],
-        "wall_s": time.perf_counter() - started,
-    }
+        state.finish_turn(gen, runtime.detokenize_served(gen.ids) if served else renderer.decode(gen.ids))
+    return state.result()

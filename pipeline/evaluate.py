@@ -77,9 +77,14 @@ PROXY_MIN_TOP1_AGREEMENT = 0.90
 PROXY_SAMPLE_TOKENS = 512
 
 
+def longest_scored(ref: SuiteReference) -> dict:
+    """The suite's transcript with the most scored reply tokens (the sample of the proxy and exactness checks)."""
+    return max((t for t in ref.transcripts if t["id"] in ref.scores), key=lambda t: len(ref.scores[t["id"]]["pos"]))
+
+
 def proxy_check(kernel_rt, proxy_rt, ref: SuiteReference, top_k: int) -> dict:
     """Does the dequantized stand-in reproduce the real kernel? Teacher-forced on a sample of the reference."""
-    tr = max((t for t in ref.transcripts if t["id"] in ref.scores), key=lambda t: len(ref.scores[t["id"]]["pos"]))
+    tr = longest_scored(ref)
     s = ref.scores[tr["id"]]
     n = min(PROXY_SAMPLE_TOKENS, len(s["pos"]))
     pos = s["pos"][:n]
@@ -102,7 +107,7 @@ EXACT_SAMPLE_TOKENS = 256
 def exact_sample(ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> tuple[dict, np.ndarray]:
     """The longest scored transcript of the suite and n reply positions spread evenly over it (late positions,
     where drift grows, are sampled as much as early ones)."""
-    tr = max((t for t in ref.transcripts if t["id"] in ref.scores), key=lambda t: len(ref.scores[t["id"]]["pos"]))
+    tr = longest_scored(ref)
     total = len(ref.scores[tr["id"]]["pos"])
     idx = np.unique(np.linspace(0, total - 1, min(n, total)).round().astype(np.int64))
     return tr, idx

@@ -41,6 +41,18 @@ def interval(estimate, low, high, level: float = LEVEL, units: int = 0) -> dict:
     return {"estimate": estimate, "low": low, "high": high, "level": level, "units": units}
 
 
+def per_conversation_checks(samples: list[dict]) -> dict[tuple[str, str], list[int]]:
+    """Per (suite, conversation), in order of appearance: [variant passes, original passes, checks, flips]."""
+    out: dict = {}
+    for s in samples:
+        p = out.setdefault((s["suite"], s["conversation"]), [0, 0, 0, 0])
+        p[0] += sum(s["checks_variant"])
+        p[1] += sum(s["checks_reference"])
+        p[2] += len(s["checks_variant"])
+        p[3] += sum(1 for a, b in zip(s["checks_reference"], s["checks_variant"]) if a != b)
+    return out
+
+
 def conversation_intervals(tf: dict, samples: list[dict], seed: int = 0) -> dict:
     """95 % bootstrap CIs for mean KLD, top-1 agreement, ΔNLL (per token, conversations resampled), pass rate and
     the paired pass-rate difference against the original (per check, conversations resampled)."""
@@ -57,15 +69,7 @@ def conversation_intervals(tf: dict, samples: list[dict], seed: int = 0) -> dict
         ci = bootstrap_ratio(arr[:, :3], arr[:, 3], seed)
         for i, name in enumerate(("kld_mean", "top1_agreement", "delta_nll")):
             out[name] = interval(ci["estimate"][i], ci["low"][i], ci["high"][i], ci["level"], ci["units"])
-    per_conv: dict = {}
-    for s in samples:
-        key = (s["suite"], s["conversation"])
-        p = per_conv.setdefault(key, [0, 0, 0, 0])
-        p[0] += sum(s["checks_variant"])
-        p[1] += sum(s["checks_reference"])
-        p[2] += len(s["checks_variant"])
-        p[3] += sum(1 for a, b in zip(s["checks_reference"], s["checks_variant"]) if a != b)
-    checks = np.asarray([v for v in per_conv.values() if v[2] > 0], dtype=np.float64)
+    checks = np.asarray([v for v in per_conversation_checks(samples).values() if v[2] > 0], dtype=np.float64)
     if len(checks):
         ci = bootstrap_ratio(np.stack([checks[:, 0], checks[:, 0] - checks[:, 1], checks[:, 3]], axis=1),
                              checks[:, 2], seed)
@@ -143,13 +147,7 @@ def conversation_test(samples: list[dict], seed: int = 0) -> dict | None:
     """Conversation-level paired test of the variant's checks against the original's: per conversation the
     difference of pass rates (variant - original), a sign-flip permutation test on their mean. Unlike the
     check-level McNemar it does not assume the checks of one conversation are independent."""
-    per: dict = {}
-    for s in samples:
-        p = per.setdefault((s["suite"], s["conversation"]), [0, 0, 0])
-        p[0] += sum(s["checks_variant"])
-        p[1] += sum(s["checks_reference"])
-        p[2] += len(s["checks_variant"])
-    diffs = [(v - r) / n for v, r, n in per.values() if n]
+    diffs = [(v - r) / n for v, r, n, _ in per_conversation_checks(samples).values() if n]
     if not diffs:
         return None
     return {"conversations": len(diffs), "mean_difference": float(np.mean(diffs)),
@@ -165,13 +163,11 @@ def minimum_detectable(samples: list[dict], tf: dict) -> dict:
     of log per-conversation mean KLD of this variant, for a comparison of two variants (sqrt(2/n))."""
     out: dict = {}
     per: dict = {}
-    for s in samples:
-        per.setdefault(s["suite"], {}).setdefault(s["conversation"], [0, 0])
-        per[s["suite"]][s["conversation"]][0] += sum(s["checks_reference"])
-        per[s["suite"]][s["conversation"]][1] += len(s["checks_reference"])
+    for (suite, _), (_, ref, n, _) in per_conversation_checks(samples).items():
+        per.setdefault(suite, []).append((ref, n))
     z = Z_975 + Z_80
     for suite, convs in per.items():
-        rows = [(p, n) for p, n in convs.values() if n]
+        rows = [(p, n) for p, n in convs if n]
         if not rows:
             continue
         n_conv = len(rows)

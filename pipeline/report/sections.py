@@ -283,12 +283,12 @@ def _exactness_rows(ok: dict) -> list[list[str]]:
 
 
 def _exactness_cell(ex: dict | None) -> str:
-    rows = [e for e in (ex or {}).values() if e and e.get("ratio") is not None]
-    if not rows:
+    from pipeline.aggregate import pooled_exactness
+
+    pooled = pooled_exactness(ex)
+    if not pooled or pooled["ratio"] is None:
         return "–"
-    stored = sum(e["kld_stored_mean"] * e["tokens"] for e in rows)
-    exact = sum(e["kld_exact_mean"] * e["tokens"] for e in rows)
-    return f"{stored / exact:.3f} ({exact / sum(e['tokens'] for e in rows):.4f} exact, {sum(e['tokens'] for e in rows)} tok)"
+    return f"{pooled['ratio']:.3f} ({pooled['exact_mean']:.4f} exact, {pooled['tokens']} tok)"
 
 
 def _power_section(ok: dict) -> tuple | None:

@@ -62,6 +62,17 @@ def cuda_supported() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
+def _reusable(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """Cached cells a new prompt can keep: the common prefix, leaving at least one token to evaluate (its logits
+    give the first reply token)."""
+    reuse = 0
+    for a, b in zip(cached, prompt):
+        if a != b:
+            break
+        reuse += 1
+    return min(reuse, len(prompt) - 1)
+
+
 class LlamaCppRuntime(FullLogitsRuntime):
     """Options (variant.runtime_options): flash_attn, cache_type_k/v (LlamaCppSettings); callers add n_ctx."""
 
@@ -163,13 +174,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> Generation:
         prompt = [int(t) for t in prompt_ids]
         self._check_fits(len(prompt) + max_new_tokens)
-        cached = self.llm.input_ids[: self.llm.n_tokens].tolist()
-        reuse = 0
-        for a, b in zip(cached, prompt):
-            if a != b:
-                break
-            reuse += 1
-        reuse = min(reuse, len(prompt) - 1)   # at least one token must be evaluated to get its logits
+        reuse = _reusable(self.llm.input_ids[: self.llm.n_tokens].tolist(), prompt)
         self.llm.n_tokens = reuse             # eval() drops KV cells from here on
 
         def feed(tokens: list[int]) -> int:
@@ -187,8 +192,6 @@ class LlamaCppRuntime(FullLogitsRuntime):
         """A second context over the same weights holding ``slots`` sequences, each with its own ``per_seq_ctx``
         cells (llama.cpp's split KV streams, as llama-batched-bench and llama-server's parallel slots use by
         default), and a batch able to carry one token per sequence or a prompt chunk. Kept while the shape fits."""
-        import ctypes
-
         import llama_cpp
         from llama_cpp import _internals
 
@@ -206,7 +209,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
         n_tokens = max(int(params.n_batch), slots)
         batch = _internals.LlamaBatch(n_tokens=n_tokens, embd=0, n_seq_max=1, verbose=False)
         self._multi = {"slots": slots, "per_seq_ctx": per_seq_ctx, "ctx": ctx, "batch": batch,
-                       "n_batch": n_tokens, "cached": [[] for _ in range(slots)], "ctypes": ctypes}
+                       "n_batch": n_tokens, "cached": [[] for _ in range(slots)]}
         return self._multi
 
     def generate_many(self, requests: Sequence[tuple[int, Sequence[int], int]], stop_ids: Sequence[int],
@@ -239,12 +242,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
         # prefix reuse per slot: keep the cells of the common prefix, at least one token left to evaluate
         todo = []
         for i in range(n):
-            reuse = 0
-            for a, b in zip(cached[seq[i]], prompts[i]):
-                if a != b:
-                    break
-                reuse += 1
-            reuse = min(reuse, len(prompts[i]) - 1)
+            reuse = _reusable(cached[seq[i]], prompts[i])
             llama_cpp.llama_memory_seq_rm(ctx.memory, seq[i], reuse, -1)
             todo.append(reuse)
 
