@@ -141,8 +141,8 @@ print-suites:
 print-model-args:
 	@echo $(MODEL_ARG)
 
-bench: setup
-	$(VENV)/bin/quantdrift command=bench run.variants=[$(VARIANTS)] $(COMMON)
+bench: setup llama-tools
+	$(VENV)/bin/quantdrift command=bench run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin $(COMMON)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -89,9 +89,36 @@ def run_bench(cfg: Config) -> int:
             "bench_wall_s": time.perf_counter() - t0,
         }
     out = {"model": cfg.model.name, "run": cfg.run.name, "threads": cfg.runtime.n_threads, "variants": rows}
+    if cfg.bench.batched_variant:
+        out["batched"] = _batched(cfg, original, renderer, suites)
     write_json(cfg.results_dir / "bench.json", out)
     print(format_bench(out))
     return 0
+
+
+def _batched(cfg: Config, original, renderer, suites: dict) -> dict:
+    """The batched path against llama-batched-bench (pipeline.batched_bench); skipped, with the reason, where the
+    variant is not a llama.cpp one or the tool is not built."""
+    import dataclasses
+
+    from pipeline.batched_bench import bench_prompts, compare_batched
+    from pipeline.errors import ConfigError, Skip
+    from pipeline.quantizers import build_artifact
+    from pipeline.runtimes import runtime_class
+    from pipeline.runtimes.llamacpp import gguf_file
+
+    name = cfg.bench.batched_variant
+    try:
+        variant = _variant_config(cfg, name)
+        if not runtime_class(variant.runtime).batched:
+            raise ConfigError(f"bench.batched_variant={name!r} runs on {variant.runtime!r}, which does not batch "
+                              "sequences: the comparison with llama-batched-bench needs a llama.cpp variant")
+        artifact = build_artifact(variant, original, dataclasses.replace(cfg, variant=variant))
+        prompts = bench_prompts(renderer, suites, max(cfg.bench.sequences), cfg.bench.prompt_tokens)
+        return {"status": "ok", **compare_batched(cfg, variant, gguf_file(artifact.path), prompts)}
+    except (ConfigError, Skip) as exc:
+        log.warning("batched comparison skipped: %s", exc)
+        return {"status": "skipped", "variant": name, "reason": str(exc)}
 
 
 def format_bench(out: dict) -> str:
@@ -109,4 +136,11 @@ def format_bench(out: dict) -> str:
         noise = "-" if r["cpu_noise"] is None else f"{r['cpu_noise']:.0%}"
         lines.append(f"{name:<22}{r['decode_tokens_per_s']:>13.1f}{r['prefill_tokens_per_s']:>14.0f}"
                      f"{r['scoring_tokens_per_s']:>12.0f}{noise:>7}  {stages}")
+    batched = out.get("batched")
+    if batched:
+        from pipeline.batched_bench import format_batched
+
+        lines.append("")
+        lines.append(format_batched(batched) if batched["status"] == "ok"
+                     else f"batched decoding ({batched['variant']}): skipped: {batched['reason']}")
     return "\n".join(lines)

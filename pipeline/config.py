@@ -361,6 +361,29 @@ class CorpusConfig:
 
 
 @dataclass
+class BenchConfig:
+    """`make bench`'s batched-decoding comparison: the pipeline's batched llama.cpp path against llama.cpp's own
+    llama-batched-bench on the same GGUF file, threads, prompt and reply lengths and numbers of sequences."""
+
+    batched_variant: str = "gguf_q8_0"   # a llama.cpp variant; "" skips the comparison
+    sequences: list = field(default_factory=lambda: [1, 4, 8, 16])
+    prompt_tokens: int = 128
+    gen_tokens: int = 128
+    rounds: int = 3                      # interleaved rounds (llama-batched-bench, then the pipeline's paths)
+    min_ratio: float = 0.9               # target: our speed-up / llama-batched-bench's speed-up
+    llama_tools: str = ""                # folder with llama.cpp's tools; "" asks `make print-llama-tools`
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.sequences, list) and self.sequences
+                 and all(isinstance(n, int) and n >= 1 for n in self.sequences),
+                 "bench.sequences", self.sequences, "a non-empty list of positive integers")
+        for key in ("prompt_tokens", "gen_tokens", "rounds"):
+            _positive_int(f"bench.{key}", getattr(self, key))
+        _require(isinstance(self.min_ratio, (int, float)) and 0 < self.min_ratio <= 1, "bench.min_ratio",
+                 self.min_ratio, "a number in (0, 1]")
+
+
+@dataclass
 class Config:
     command: str
     model: ModelConfig
@@ -376,6 +399,7 @@ class Config:
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     regress: RegressConfig = field(default_factory=RegressConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     force: bool = False
     seed: int = 0
 
@@ -413,6 +437,7 @@ def from_dict(raw: dict) -> Config:
         "model": ModelConfig, "variant": VariantConfig, "profile": ProfileConfig, "runtime": RuntimeConfig,
         "reference": ReferenceConfig, "decision": DecisionConfig, "paths": PathsConfig, "run": RunSection,
         "corpus": CorpusConfig, "kv_cache": KVCacheConfig, "capacity": CapacityConfig, "regress": RegressConfig,
+        "bench": BenchConfig,
     }
     built = {key: _build(cls, raw.pop(key, None), key) for key, cls in sections.items()}
     command = raw.pop("command", "evaluate")

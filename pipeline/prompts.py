@@ -14,11 +14,16 @@ from typing import Any
 from pipeline.errors import ConfigError
 
 CHECK_TYPES = ("contains", "not_contains", "regex", "number", "json", "echo", "json_valid", "length", "language",
-               "no_loop")
+               "no_loop", "sections", "format")
 # A check's grade: "hard" (the task itself: recall, arithmetic, exact facts) or "graded" (instruction following a
-# small model manages at a useful rate: echo, JSON syntax, length, language, no loops). Reports may show them apart.
+# small model manages at a useful rate: echo, JSON syntax, length, language, no loops, requested sections and
+# formats). Reports may show them apart.
 GRADES = ("hard", "graded")
 LENGTH_UNITS = ("words", "lines", "bullets")
+FORMAT_KINDS = ("table", "json_only", "greeting")
+SECTIONS_PLAIN_MAX_WORDS = 6  # sections: a bare line (no #, bold or colon) is a heading only when this short
+SECTIONS_LABEL_MAX_WORDS = 8  # sections: the text before a colon is a heading label only when this short
+GREETING_LINES = 5            # format greeting: the salutation is among the first non-blank lines
 NO_LOOP_N = 4                 # no_loop: word n-grams compared
 NO_LOOP_MAX_REPEATED = 0.3    # no_loop: most of the n-grams that may repeat an earlier one
 LANGUAGE_MIN_WORDS = 8        # language: fewer words than this have no language
@@ -101,6 +106,21 @@ def _validate_check(path: Path, line: int, where: str, check: Any, user: str | N
             _fail(path, line, f"{where}.schema", f"not a valid JSON Schema: {exc.message}")
     elif ctype == "echo":
         _validate_echo(path, line, where, check, user)
+    elif ctype == "sections":
+        values = check.get("values")
+        if not isinstance(values, list) or not values or not all(isinstance(v, str) and v.strip() for v in values):
+            _fail(path, line, f"{where}.values",
+                  "expected a non-empty list of non-empty strings (the headings asked for)")
+        if "min" in check and (not _is_int(check["min"]) or not 1 <= check["min"] <= len(values)):
+            _fail(path, line, f"{where}.min", f"expected an integer in 1..{len(values)}, got {check['min']!r}")
+        if user is not None:
+            for v in values:
+                if not literal_in(v, user):
+                    _fail(path, line, f"{where}.values", f"{v!r} does not occur in this turn's user message (a "
+                                                         "sections check looks for headings the turn asks for)")
+    elif ctype == "format":
+        if check.get("kind") not in FORMAT_KINDS:
+            _fail(path, line, f"{where}.kind", f"expected one of {', '.join(FORMAT_KINDS)}, got {check.get('kind')!r}")
     elif ctype == "length":
         unit = check.get("unit")
         if unit not in LENGTH_UNITS:
@@ -251,7 +271,11 @@ def select(convs: list[Conversation], max_conversations: int | None, max_new_tok
 
 # ---------------------------------------------------------------- checks
 
-_NUMBER = re.compile(r"(?<![\w.])[-+]?[$€£¥]?\s?\d[\d,]*(?:\.\d+)?")
+# A number starts after a non-word character (not inside a word, and not in the middle of a digit group such as the
+# "249.50" of "x1,249.50"), or right after an ISO currency code written without a space ("EUR1,249.50").
+_CURRENCY_CODES = "EUR USD GBP CAD AUD NZD CHF JPY CNY INR SEK NOK DKK PLN CZK HUF ZAR SGD HKD MXN BRL AED".split()
+_NUMBER = re.compile(r"(?:(?<![\w.])(?<!\d,)|" + "|".join(f"(?<=(?<![A-Za-z]){c})" for c in _CURRENCY_CODES) + ")"
+                     r"[-+]?[$€£¥]?\s?\d[\d,]*(?:\.\d+)?")
 
 
 def numbers_in(text: str) -> list[float]:
@@ -325,6 +349,11 @@ def run_check(check: dict, reply: str) -> bool:
         return detect_language(reply) == check["value"]
     if ctype == "no_loop":
         return repeated_fraction(reply, check.get("n", NO_LOOP_N)) <= check.get("max_repeated", NO_LOOP_MAX_REPEATED)
+    if ctype == "sections":
+        found = sum(heading_in(v, reply) for v in check["values"])
+        return found >= check.get("min", len(check["values"]))
+    if ctype == "format":
+        return {"table": has_table, "json_only": is_json_only, "greeting": has_greeting}[check["kind"]](reply)
     raise ValueError(f"unknown check type {ctype!r}")  # validated at load time
 
 
@@ -394,6 +423,137 @@ def repeated_fraction(text: str, n: int = 4) -> float:
     if not grams:
         return 0.0
     return 1 - len(set(grams)) / len(grams)
+
+
+# In front of a heading: quote marks, a markdown "#" run, a list marker or number (-, *, 1., a), iv.), another "#" run
+_LINE_PREFIX = re.compile(r"^\s*(?:>\s*)*(?P<hash>#{1,6}\s+)?"
+                          r"(?:(?:[-*+\u2022]|\d{1,2}[.)]|[A-Za-z][.)]|[IVXivx]{1,4}[.)])\s+)?(?P<hash2>#{1,6}\s+)?")
+_BOLD_LEAD = re.compile(r"(\*\*|__)(.+?)(?:\1|$)")
+
+
+def _heading_words(text: str) -> str:
+    """Lower-cased words of a heading, '&' read as 'and', punctuation and hyphens as spaces: 'Pre-Checks &
+    Sign-off' -> 'pre checks and sign off'."""
+    return " ".join(re.sub(r"[\W_]+", " ", text.casefold().replace("&", " and ")).split())
+
+
+def heading_parts(text: str) -> list[str]:
+    """The heading text of every line that is laid out as a heading or a label: a markdown heading (## Timeline),
+    a bold lead (**Root cause**, 1. **Procedure**: ...), the text before a colon when that text is short
+    (Attendees: ..., - Summary: ...), or a short line of its own that does not end like a sentence (Timeline (UTC)).
+    A list marker or number in front is ignored. Prose lines give nothing, so a heading word that only occurs in
+    a sentence is not a heading."""
+    parts = []
+    for line in text.splitlines():
+        m = _LINE_PREFIX.match(line)
+        marked = bool(m.group("hash") or m.group("hash2"))
+        rest = line[m.end():].strip()
+        if not rest:
+            continue
+        bold = _BOLD_LEAD.match(rest)
+        if bold:
+            part = bold.group(2)
+        elif marked:
+            part = rest
+        elif ":" in rest and len(rest.split(":", 1)[0].split()) <= SECTIONS_LABEL_MAX_WORDS:
+            part = rest.split(":", 1)[0]
+        elif len(rest.split()) <= SECTIONS_PLAIN_MAX_WORDS and not rest.endswith((".", ",", ";")):
+            part = rest
+        else:
+            continue
+        words = _heading_words(part)
+        if words:
+            parts.append(words)
+    return parts
+
+
+def heading_in(heading: str, text: str) -> bool:
+    """``heading`` (the words the user asked for, e.g. 'Root cause') is among the words of one of the reply's
+    headings (see heading_parts), as whole words and in order: 'Root cause' is found in '## 4. Root Cause
+    Analysis' and in '**Root cause:** a Helm value ...', not in 'The root cause was a typo in the Helm value.'"""
+    want = f" {_heading_words(heading)} "
+    return any(want in f" {part} " for part in heading_parts(text))
+
+
+def _table_cells(line: str) -> list[str] | None:
+    s = line.strip()
+    if "|" not in s:
+        return None
+    cells = s.strip("|").split("|")
+    return cells if len(cells) >= 2 else None
+
+
+def has_table(text: str) -> bool:
+    """A markdown table: a header row of at least two cells, a delimiter row with as many cells (---, :--:), and
+    at least one body row."""
+    lines = text.splitlines()
+    for i in range(len(lines) - 2):
+        head, delim, body = (_table_cells(ln) for ln in lines[i:i + 3])
+        if head and delim and body and len(delim) == len(head) and \
+                all(re.fullmatch(r"\s*:?-+:?\s*", c) for c in delim):
+            return True
+    return False
+
+
+def _json_end(text: str, start: int) -> int | None:
+    """Index just after the bracket that closes the one at ``start`` (strings and escapes respected); None when
+    the text ends first."""
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def is_json_only(text: str) -> bool:
+    """The reply is the JSON and nothing else ("Only the JSON"): it opens with "{" or "[" (or with a ``` / ```json
+    fence around it), and once the JSON closes, only whitespace and the closing fence follow. A reply cut off
+    inside the JSON passes: whether it parses is json_valid's question."""
+    s = text.strip()
+    fence = re.match(r"```(?:json)?[ \t]*\n", s, re.IGNORECASE)
+    body = s[fence.end():].lstrip() if fence else s
+    if not body.startswith(("{", "[")):
+        return False
+    end = _json_end(body, 0)
+    if end is None:
+        return True
+    rest = body[end:].strip()
+    if fence and rest.startswith("```"):
+        rest = rest[3:].strip()
+    return rest == ""
+
+
+_SALUTATION = re.compile(
+    r"(?:dear|hi|hello|hey|good (?:morning|afternoon|evening)|greetings|to whom it may concern|bonjour|madame|"
+    r"monsieur|ch[eè]re?|hallo|liebe[rs]?|sehr geehrte[rs]?|hola|estimad[oa]s?|buongiorno|gentil[ei]|ciao|beste|"
+    r"geachte|ol[aá]|prezad[oa]s?)\b", re.IGNORECASE)
+# "Aoife," / "Ms Brennan," on a line of its own: up to four capitalised words and a comma (not a sign-off)
+_ADDRESS_LINE = re.compile(r"(?!(?i:thanks|thank you|regards|best|cheers|sincerely|yours|many thanks)\b)"
+                           r"[A-Z][\w.'\u2019-]*(?:\s+[A-Z][\w.'\u2019-]*){0,3},")
+
+
+def has_greeting(text: str) -> bool:
+    """The reply opens like a letter or email: one of its first GREETING_LINES non-blank lines (quote marks and
+    markdown stripped) is a salutation ("Dear ...", "Hi ...", "Hello ...", "Good morning ...", "Bonjour", "Sehr
+    geehrte ...", ...) or a name and a comma on a line of its own ("Aoife,"). A subject line or a one-line lead-in
+    ("Here is the draft:") before it is fine."""
+    lines = [re.sub(r"^[\s>*_#\"'\u201c\u201d-]+|[\s*_\"'\u201c\u201d]+$", "", ln) for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln][:GREETING_LINES]
+    return any(_SALUTATION.match(ln) or _ADDRESS_LINE.fullmatch(ln) for ln in lines)
 
 
 # Frequent function words per language: a reply is in the language whose words make up the largest share of its

@@ -67,11 +67,13 @@ def test_corpus_command_prints_llama_cpp_style_json(tmp_path, tiny_llama):
 
 def _llama_tool(name: str):
     """A llama.cpp tool built by `make llama-tools` from the same vendored source as the wheel, or None."""
-    import os
+    from pipeline.errors import ConfigError
+    from pipeline.llamatools import tool
 
-    out = subprocess.run(["make", "-s", "print-llama-tools"], capture_output=True, text=True, cwd=PROJECT_ROOT)
-    path = os.path.join(out.stdout.strip(), name)
-    return path if out.returncode == 0 and os.access(path, os.X_OK) else None
+    try:
+        return str(tool(name))
+    except ConfigError:
+        return None
 
 
 def _parse_llama_kld(log: str) -> dict:

@@ -1,10 +1,12 @@
 import json
+import re
 
 import pytest
 
 from pipeline.config import PROJECT_ROOT
 from pipeline.prompts import (PromptError, check_grade, count_units, detect_language, extract_json, first_json_object,
-                              literal_in, load_suite, numbers_in, repeated_fraction, run_check, select)
+                              has_greeting, has_table, heading_in, heading_parts, is_json_only, literal_in, load_suite,
+                              numbers_in, repeated_fraction, run_check, select)
 
 
 @pytest.mark.parametrize("suite,min_records,turns", [("long_output", 8, (1, 1)), ("multi_turn", 8, (4, 8)),
@@ -17,7 +19,11 @@ def test_shipped_suites_load_and_meet_their_shape(suite, min_records, turns):
     if suite == "multi_turn":
         assert all(sum(1 for t in c.turns if t.checks) >= 2 for c in convs)
         types = {ch["type"] for c in convs for t in c.turns for ch in t.checks}
-        assert {"contains", "regex", "number", "json", "echo", "json_valid", "length", "language", "no_loop"} <= types
+        assert {"contains", "regex", "number", "json", "echo", "json_valid", "length", "language", "no_loop",
+                "format"} <= types
+    if suite == "long_output":
+        types = {ch["type"] for c in convs for t in c.turns for ch in t.checks}
+        assert {"sections", "format"} <= types
     if suite == "smoke":
         assert len(convs) == 2
 
@@ -72,8 +78,31 @@ def test_every_graded_check_fails_a_degenerate_reply(suite):
                 if check_grade(ch) == "graded":
                     failed = [k for k, reply in DEGENERATE.items() if not run_check(ch, reply)]
                     assert failed, (c.id, ch)
-                    if ch["type"] in ("echo", "json_valid"):
+                    if ch["type"] in ("echo", "json_valid", "sections") or ch.get("kind") == "table":
                         assert len(failed) == len(DEGENERATE), (c.id, ch)
+
+
+@pytest.mark.parametrize("suite", ["long_output", "multi_turn"])
+def test_sections_and_format_checks_follow_the_turns_own_instruction(suite):
+    """A sections check passes the requested headings laid out as headings and fails them mentioned only in prose;
+    a format check sits only on a turn that asks for that format."""
+    convs = load_suite(suite, PROJECT_ROOT / "prompts" / f"{suite}.jsonl")
+    for c in convs:
+        for t in c.turns:
+            for ch in t.checks:
+                if ch["type"] == "sections":
+                    heads = ch["values"]
+                    need = ch.get("min", len(heads))
+                    assert run_check(ch, "\n\n".join(f"## {h}\nSome text for this part." for h in heads)), ch
+                    assert run_check(ch, "\n".join(f"**{h}:** some text for this part of the document." for h in heads))
+                    assert not run_check(ch, " ".join(f"We cover the {h.lower()} in this long sentence here."
+                                                      for h in heads)), ch
+                    assert not run_check(ch, "\n\n".join(f"## {h}" for h in heads[:need - 1])), ch
+                elif ch["type"] == "format":
+                    asks = {"json_only": r"\b(only|just) the json\b",
+                            "greeting": r"\b(email|e-mail|notice|notification|message|letter)\b",
+                            "table": r"\btable\b"}[ch["kind"]]
+                    assert re.search(asks, t.user, re.IGNORECASE), (c.id, ch, t.user)
 
 
 @pytest.mark.parametrize("suite", ["long_output", "multi_turn"])
@@ -142,6 +171,14 @@ def _one_check(check, user="Order AP-558213 for Priya, total $1,249.50. Reply in
     ({"type": "language"}, "field 'turns[0].checks[0].value'"),
     ({"type": "no_loop", "n": 1}, "field 'turns[0].checks[0].n': expected an integer in 2..20"),
     ({"type": "no_loop", "max_repeated": 1.5}, "field 'turns[0].checks[0].max_repeated': expected a fraction"),
+    ({"type": "sections"}, "field 'turns[0].checks[0].values': expected a non-empty list"),
+    ({"type": "sections", "values": "Order"}, "field 'turns[0].checks[0].values': expected a non-empty list"),
+    ({"type": "sections", "values": ["Order", "Summary"]},
+     "field 'turns[0].checks[0].values': 'Summary' does not occur"),
+    ({"type": "sections", "values": ["Order"], "min": 2},
+     "field 'turns[0].checks[0].min': expected an integer in 1..1"),
+    ({"type": "format"}, "field 'turns[0].checks[0].kind': expected one of table, json_only, greeting"),
+    ({"type": "format", "kind": "bullets"}, "field 'turns[0].checks[0].kind'"),
 ])
 def test_malformed_new_checks_fail_with_file_line_and_field(tmp_path, check, where):
     path = _write(tmp_path, [json.dumps(GOOD), _one_check(check).replace('"a"', '"b"', 1)])
@@ -156,10 +193,12 @@ def test_well_formed_new_checks_load_and_keep_their_grade(tmp_path):
               {"type": "echo", "values": ["Priya", "$1,249.50"], "min": 1, "grade": "graded"},
               {"type": "json_valid", "grade": "graded"}, {"type": "length", "unit": "bullets", "max": 5},
               {"type": "language", "value": "de"}, {"type": "no_loop", "n": 6, "max_repeated": 0.2},
-              {"type": "contains", "value": "AP-558213"}]
+              {"type": "contains", "value": "AP-558213"},
+              {"type": "sections", "values": ["order", "Priya"], "min": 1, "grade": "graded"},
+              {"type": "format", "kind": "greeting", "grade": "graded"}, {"type": "format", "kind": "table"}]
     record = {"id": "a", "turns": [{"user": "Order AP-558213 for Priya, total $1,249.50.", "checks": checks}]}
     conv, = load_suite("custom", _write(tmp_path, [json.dumps(record)]))
-    assert [check_grade(c) for c in conv.turns[0].checks] == ["graded"] * 3 + ["hard"] * 4
+    assert [check_grade(c) for c in conv.turns[0].checks] == ["graded"] * 3 + ["hard"] * 4 + ["graded"] * 2 + ["hard"]
     assert select([conv], 1, 50)[0].turns[0].checks == checks
 
 
@@ -191,6 +230,11 @@ def test_checks():
     assert not run_check({"type": "json", "schema": schema}, "no json here {oops}")
     assert extract_json('prefix {"a": {"b": 1}} suffix') == {"a": {"b": 1}}
     assert numbers_in("€2,000 and 3.5%") == [2000.0, 3.5]
+    # a currency code written without a space is read; a number never starts inside a digit group
+    assert numbers_in("EUR1,249.50, GBP9,430 and USD 88,000") == [1249.5, 9430.0, 88000.0]
+    assert numbers_in("INV2024 x1,249.50 AP-558213") == [558213.0]
+    assert run_check({"type": "number", "value": 1249.5, "tolerance": 0.01}, "total EUR1,249.50")
+    assert not run_check({"type": "number", "value": 249.5, "tolerance": 0.01}, "total x1,249.50")
 
 
 GOOD_EMAIL = """Dear Ms Brennan,
@@ -311,3 +355,68 @@ def test_no_loop():
     assert 0.2 < repeated_fraction(text) < 0.3 and run_check(check, text)      # 7 of 29 4-grams repeat
     assert not run_check({"type": "no_loop", "max_repeated": 0.2}, text)
     assert run_check({"type": "no_loop", "n": 11, "max_repeated": 0.2}, text)
+
+
+POSTMORTEM = """# Postmortem: INC-4471 checkout-api connection pool
+
+## Summary
+On 2024-11-19 the deploy of checkout-api v2.31.0 cut the acquirer connection pool from 200 to 20.
+
+**Customer impact:** 2,318 failed charge attempts across 611 merchants.
+
+### Timeline (UTC)
+- 13:58 Deploy starts
+
+1. **Root cause**: the Helm value acquirer.pool.max_conns was typed as '20'.
+What went well
+"""
+
+
+def test_sections():
+    assert heading_parts(POSTMORTEM)[:4] == ["postmortem inc 4471 checkout api connection pool", "summary",
+                                             "customer impact", "timeline utc"]
+    for h in ("Summary", "Customer impact", "Timeline", "Root cause", "What went well", "summary"):
+        assert heading_in(h, POSTMORTEM), h
+    assert heading_in("Pre-checks", "2. **Pre-Checks and Verifications**: run these first")
+    assert heading_in("Goals and non-goals", "## Goals & Non-Goals")
+    assert heading_in("Attendees", "Attendees: Ingrid Solberg (chair), Dev Malhotra")
+    # only mentioned in prose, or a longer word: not a heading
+    assert not heading_in("Contributing factors", POSTMORTEM)
+    assert not heading_in("Root cause", "The root cause was a typo in the Helm value, which we fixed on the same day.")
+    assert not heading_in("Goals", "## Goal")
+    check = {"type": "sections", "values": ["Summary", "Customer impact", "Timeline", "Root cause"], "min": 3}
+    assert run_check(check, POSTMORTEM)
+    assert not run_check(check, "Summary:\n\nImpact:\n\n- 14:38:14:14:38:14:14:14")     # one of four
+    assert not run_check(check, DEGENERATE["loop"]) and not run_check(check, "")
+    assert not run_check({"type": "sections", "values": ["Summary", "Contributing factors"]}, POSTMORTEM)  # min: all
+
+
+def test_format():
+    table = {"type": "format", "kind": "table"}
+    assert has_table("Rules at a glance\n\n| Rule | Limit |\n|---|:---:|\n| Hotel | EUR 180 |\n")
+    assert run_check(table, "Rule | Limit\n--- | ---\nHotel | EUR 180")                 # outer pipes optional
+    assert not run_check(table, "| Rule | Limit |\n| Hotel | EUR 180 |")                    # no delimiter row
+    assert not run_check(table, "| Rule | Limit |\n|---|---|---|\n| Hotel | EUR 180 |")    # cells do not line up
+    assert not run_check(table, "Hotel: EUR 180 a night; meals: EUR 60 a day.")
+
+    only = {"type": "format", "kind": "json_only"}
+    assert is_json_only('{"order_id": "AP-558213", "new_total": 382.25}')
+    assert run_check(only, '```json\n{"order_id": "AP-558213", "note": "a } in a string"}\n```\n')
+    assert run_check(only, DEGENERATE["cut JSON"])          # cut off inside the JSON: json_valid fails it instead
+    assert not run_check(only, 'Here is the JSON:\n{"order_id": "AP-558213"}')             # a lead-in
+    assert not run_check(only, '{"order_id": "AP-558213"}\n\nLet me know if you need anything else.')
+    assert not run_check(only, '```json\n{"a": 1}\n```\nThis JSON object contains the keys.')
+    assert not run_check(only, "The order is AP-558213.") and not run_check(only, "")
+
+    greet = {"type": "format", "kind": "greeting"}
+    assert has_greeting(GOOD_EMAIL)
+    assert run_check(greet, "Subject: Final interview schedule\n\nDear Tomás,\n\nThank you for ...")
+    assert run_check(greet, "Here is the draft:\n\n> Hi Mirela,\n> thanks for your time today.")
+    assert run_check(greet, "Aoife,\n\nThank you for your patience with the March invoice.")
+    assert run_check(greet, "Bonjour Madame Lefèvre,\n\nNous confirmons la réservation.")
+    assert not run_check(greet, "Booking reference: 18 pallets of porcelain floor tiles, 412 kg")
+    assert not run_check(greet, "The total is $2,108.00.\n\nThanks,\nVireo Foods")         # a sign-off only
+    assert not run_check(greet, "Highlights\n- faster reports")                              # not "Hi"
+    assert not run_check(greet, "Sure thing,\nthe order ships on Monday.")                   # not a name
+    assert not run_check(greet, "line one\nline two\nline three\nline four\nline five\nDear Ama,")  # too late
+    assert not run_check(greet, DEGENERATE["loop"]) and not run_check(greet, "")

@@ -150,3 +150,83 @@ def test_conversations_run_batched_as_they_run_one_by_one(built):
         assert [t["end"] - t["start"] for t in a["turns"]] == [t["end"] - t["start"] for t in b["turns"]]
         assert sum(x == y for x, y in zip(a["ids"], b["ids"])) / len(a["ids"]) >= 0.99
     rt.close()
+
+
+def test_llama_batched_bench_output_is_parsed_among_log_lines():
+    from pipeline.batched_bench import parse_batched_bench
+
+    text = ("main: n_kv_max = 4096\n"
+            '{"n_kv_max": 4096, "n_batch": 512, "pp": 128, "tg": 128, "pl": 4, "n_kv": 1024, "t_pp": 0.5, '
+            '"speed_pp": 1024.0, "t_tg": 2.6, "speed_tg": 196.9, "t": 3.1, "speed": 330.3}\n'
+            "llama_perf_context_print: load time = 1 ms\n")
+    assert parse_batched_bench(text) == {4: {"decode_tokens_per_s": 196.9, "prefill_tokens_per_s": 1024.0,
+                                             "pp": 128, "tg": 128}}
+
+
+def test_batched_path_measured_beside_llama_batched_bench(built):
+    """`make bench`'s comparison on the tiny model: llama-batched-bench (built from the same vendored source) and the
+    pipeline's single and batched paths, interleaved; speed-ups against single-sequence decoding, the greedy-token
+    agreement of the batched path and its determinism."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from pipeline.batched_bench import compare_batched, format_batched
+    from pipeline.config import BenchConfig
+    from pipeline.errors import ConfigError
+    from pipeline.llamatools import tool
+    from pipeline.runtimes.llamacpp import gguf_file
+
+    try:
+        tool("llama-batched-bench")
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    cfg, original, arts = built
+    tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
+    base = tok(TEXT, add_special_tokens=False)["input_ids"]
+    prompts = [base[i * 5:i * 5 + 16] for i in range(3)]
+    cfg = dataclasses.replace(cfg, bench=BenchConfig(sequences=[1, 3], prompt_tokens=16, gen_tokens=12, rounds=2))
+    out = compare_batched(cfg, VariantConfig(name="q8", runtime="llamacpp"), gguf_file(arts["Q8_0"].path), prompts)
+    assert set(out["sequences"]) == {"1", "3"}
+    one, three = out["sequences"]["1"], out["sequences"]["3"]
+    assert one["tool_speedup"] == pytest.approx(1.0)
+    assert len(three["rounds"]["tool"]) == len(three["rounds"]["ours"]) == 2
+    assert three["tool_decode_tokens_per_s"] > 0 and three["decode_tokens_per_s"] > 0
+    assert three["ratio"] == pytest.approx(three["speedup"] / three["tool_speedup"])
+    assert three["agreement"] >= 0.99 and three["deterministic"]
+    assert "llama-batched-bench" in format_batched(out)
+    with pytest.raises(ConfigError, match="make llama-tools"):
+        tool("llama-batched-bench", str(original.checkpoint))      # a folder without the tool
+
+
+def test_hf_batched_generation_agrees_with_one_sequence_at_a_time(built):
+    """transformers, several prompts of different lengths left-padded in one batch: the same greedy tokens as one
+    at a time on at least 99 % of positions, each reply stopping at its own budget or stop id; the integer KV
+    cache decodes one sequence at a time (padding would enter its per-channel key ranges)."""
+    from transformers import AutoTokenizer
+
+    cfg, original, _ = built
+    tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
+    base = tok(TEXT, add_special_tokens=False)["input_ids"]
+    prompts = [base[i:i + 12 + 9 * i] for i in range(3)]
+    budgets = [14, 6, 10]
+    rt = load_runtime(VariantConfig(name="original"), original.checkpoint, cfg)
+    assert rt.batched
+    single = []
+    for p, n in zip(prompts, budgets):
+        rt.reset()
+        single.append(rt.generate(p, n, []).ids)
+    many = rt.generate_many([(i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets))], [], slots=3)
+    assert [len(g.ids) for g in many] == budgets and all(g.stop == "length" for g in many)
+    assert [len(g.decode_times_s) for g in many] == [n - 1 for n in budgets]
+    same = sum(a == b for s, g in zip(single, many) for a, b in zip(s, g.ids))
+    assert same / sum(budgets) >= 0.99
+    # a stop id ends that sequence alone
+    stop_at = many[0].ids[3]
+    cut = rt.generate_many([(i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets))], [stop_at], slots=3)
+    assert cut[0].stop == "eos" and cut[0].ids == many[0].ids[:many[0].ids.index(stop_at)]
+    rt.close()
+    kv = load_runtime(VariantConfig(name="original+kv_int8", runtime_options={
+        "kv_cache": {"bits": 8, "residual_length": 4, "score_chunk": 4}}), original.checkpoint, cfg)
+    assert not kv.batched
+    kv.close()

@@ -114,6 +114,7 @@ class HFRuntime(FullLogitsRuntime):
         self._cache = None
         self._cache_ids: list[int] = []
         self.kv = options.get("kv_cache")     # {"bits", "residual_length", "score_chunk"} or None
+        self.batched = not self.kv             # the integer cache decodes one sequence at a time
         if self.kv:
             kinds = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
             if kinds != {"full_attention"}:
@@ -189,6 +190,76 @@ class HFRuntime(FullLogitsRuntime):
         self._cache_ids = prompt + ids[: len(times)]
         return Generation(ids=ids, stop=stop, prompt_tokens=len(prompt), prefill_tokens=len(prompt) - reuse,
                           ttft_s=ttft, decode_times_s=times)
+
+    # Several sequences decode together in one left-padded batch (the plain cache only: the integer cache takes
+    # per-channel key ranges over tokens, which padding would enter, so a KV variant decodes one at a time).
+    batched = True
+
+    @_inference_mode
+    def generate_many(self, requests: Sequence[tuple[int, Sequence[int], int]], stop_ids: Sequence[int],
+                      slots: int = 1) -> list[Generation]:
+        """Greedy replies to several prompts in one batch, as transformers' batched generation does: prompts
+        left-padded and masked, positions counted from each prompt's first real token, one forward pass per step
+        for every live sequence; a finished sequence leaves the batch (its cache rows are dropped). Every call
+        prefills its prompts afresh (padding would shift a kept cache), so ``slots`` only bounds the batch.
+        Batched float arithmetic may differ from one sequence at a time in the last bits."""
+        import time
+
+        import torch
+        from transformers import DynamicCache
+
+        if not self.batched or len(requests) <= 1:
+            return super().generate_many(requests, stop_ids, slots)
+        stops = set(int(t) for t in stop_ids)
+        prompts = [[int(t) for t in p] for _, p, _ in requests]
+        budgets = [int(r[2]) for r in requests]
+        n, width = len(prompts), max(len(p) for p in prompts)
+        dev = self.device
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        t0 = time.perf_counter()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                         logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1).tolist()
+        self._sync()
+        ttft = time.perf_counter() - t0
+        replies: list[list[int]] = [[] for _ in range(n)]
+        stop = ["length"] * n
+        times: list[list[float]] = [[] for _ in range(n)]
+        rows = list(range(n))            # request index of each batch row
+        last = pos[:, -1]
+        while True:
+            keep = []
+            for r, i in enumerate(rows):
+                if nxt[r] in stops:
+                    stop[i] = "eos"
+                    continue
+                replies[i].append(nxt[r])
+                if len(replies[i]) < budgets[i]:
+                    keep.append(r)
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                index = torch.tensor(keep, dtype=torch.long, device=dev)
+                cache.batch_select_indices(index)
+                mask, last = mask[index], last[index]
+                rows = [rows[r] for r in keep]
+            feed = torch.tensor([[replies[i][-1]] for i in rows], dtype=torch.long, device=dev)
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
+            last = last + 1
+            t = time.perf_counter()
+            out = self.model(input_ids=feed, attention_mask=mask, position_ids=last[:, None], cache=cache,
+                             use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1).tolist()
+            self._sync()
+            dt = time.perf_counter() - t
+            for i in rows:
+                times[i].append(dt)
+        self.reset()             # the single-sequence cache no longer matches anything generate() saw
+        return [Generation(ids=replies[i], stop=stop[i], prompt_tokens=len(prompts[i]),
+                           prefill_tokens=len(prompts[i]), ttft_s=ttft, decode_times_s=times[i]) for i in range(n)]
 
     @_inference_mode
     def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:

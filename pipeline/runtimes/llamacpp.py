@@ -165,7 +165,14 @@ class LlamaCppRuntime(FullLogitsRuntime):
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def reset(self) -> None:
+        """Forget cached prefixes: the single-sequence context's and every batched slot's."""
         self.llm.reset()
+        multi = getattr(self, "_multi", None)
+        if multi:
+            import llama_cpp
+
+            llama_cpp.llama_memory_clear(multi["ctx"].memory, True)
+            multi["cached"] = [[] for _ in range(multi["slots"])]
 
     def _check_fits(self, n: int) -> None:
         if n > self.n_ctx:

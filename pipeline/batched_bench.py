@@ -1,0 +1,168 @@
+"""`make bench`, batched decoding: the pipeline's batched llama.cpp path (``LlamaCppRuntime.generate_many``, what
+``profile.batch`` > 1 uses for free-running) against llama.cpp's own ``llama-batched-bench`` built from the same
+vendored source, on the same GGUF file, threads, batch size, flash-attention setting, prompt and reply lengths and
+numbers of sequences.
+
+Per round (rounds interleave, so drift in the machine's speed hits every path alike): llama-batched-bench over
+every number of sequences, then our single-sequence path (``generate``, what ``profile.batch=1`` uses), then our
+batched path at every number of sequences. The figure compared is the speed-up of aggregate decode tokens/s over
+single-sequence decoding, ours against llama-batched-bench's; the medians over rounds are reported with every
+round's values. Our prompts are real business text (distinct windows of the suites' turns); llama-batched-bench
+feeds random ids: decode cost does not depend on which ids are fed. Also measured: the greedy tokens of the
+batched path against single-sequence decoding on the same prompts (batched float arithmetic may differ in the
+last bits) and whether two batched runs give the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def parse_batched_bench(text: str) -> dict[int, dict]:
+    """llama-batched-bench --output-format jsonl: {sequences: {"decode_tokens_per_s", "prefill_tokens_per_s",
+    "pp", "tg"}} from its JSON lines (log lines around them are ignored)."""
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not (line.startswith("{") and '"speed_tg"' in line):
+            continue
+        row = json.loads(line)
+        out[int(row["pl"])] = {"decode_tokens_per_s": float(row["speed_tg"]),
+                               "prefill_tokens_per_s": float(row["speed_pp"]), "pp": int(row["pp"]),
+                               "tg": int(row["tg"])}
+    return out
+
+
+def run_llama_batched_bench(exe: Path, gguf: Path, threads: int, n_batch: int, flash_attn: bool, prompt: int,
+                            gen: int, sequences: list[int], cache_types: tuple[str, str] = ("f16", "f16"),
+                            timeout: float = 900) -> dict[int, dict]:
+    """One llama-batched-bench run over every number of sequences, split KV streams (as our batched context)."""
+    cmd = [str(exe), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+           "-ctk", cache_types[0], "-ctv", cache_types[1],
+           "-c", str(max(sequences) * (prompt + gen)), "-b", str(n_batch), "-ub", str(n_batch),
+           "-fa", "on" if flash_attn else "off", "-no-kvu", "-ngl", "0",
+           "-npp", str(prompt), "-ntg", str(gen), "-npl", ",".join(str(n) for n in sequences),
+           "--output-format", "jsonl"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    rows = parse_batched_bench(proc.stdout + "\n" + proc.stderr)
+    missing = [n for n in sequences if n not in rows]
+    if proc.returncode != 0 or missing:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+        raise RuntimeError(f"llama-batched-bench failed (exit {proc.returncode}; no result for {missing} "
+                           f"sequences): {' '.join(cmd)}\n{tail}")
+    return rows
+
+
+def bench_prompts(renderer, suites: dict, n: int, length: int) -> list[list[int]]:
+    """``n`` distinct prompts of exactly ``length`` tokens: consecutive windows of the suites' turns as text."""
+    from pipeline.run import probe_prompt
+
+    ids = probe_prompt(renderer, suites, n * length)
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def _aggregate_decode(gens) -> float:
+    """Aggregate decode tokens/s of generations decoded together: tokens fed back / wall time of the steps (every
+    sequence of one batched call shares each step's time, so one sequence's step times are the wall)."""
+    steps = sum(len(g.decode_times_s) for g in gens)
+    wall = max(sum(g.decode_times_s) for g in gens)
+    return steps / wall if wall > 0 else float("nan")
+
+
+def agreement(single: list[list[int]], batched: list[list[int]]) -> float:
+    """Share of reply positions where the batched path's greedy token equals single-sequence decoding's."""
+    same = sum(a == b for s, b_ids in zip(single, batched) for a, b in zip(s, b_ids))
+    return same / max(1, sum(len(s) for s in single))
+
+
+def compare_batched(cfg, variant, gguf: Path, prompts: list[list[int]]) -> dict:
+    """The comparison itself (see the module docstring): ``variant`` loaded on ``gguf`` (a llama.cpp variant without
+    a quantized KV cache is what llama-batched-bench runs by default). ``prompts``: at least max(bench.sequences)."""
+    from pipeline.llamatools import tool
+    from pipeline.runtimes import load_runtime
+
+    b = cfg.bench
+    seqs = sorted(set(b.sequences))
+    top = max(seqs)
+    if len(prompts) < top:
+        raise ValueError(f"compare_batched: {len(prompts)} prompts for up to {top} sequences")
+    exe = tool("llama-batched-bench", b.llama_tools)
+    rt = load_runtime(variant, gguf, cfg, n_ctx=max(256, b.prompt_tokens + b.gen_tokens + 8))
+    threads, n_batch, flash = rt.info["threads"], rt.info["n_batch"], rt.info["flash_attn"]
+    rounds = []
+    single_ids: list[list[int]] = []
+    batched_ids: dict[int, list[list[list[int]]]] = {n: [] for n in seqs}
+    try:
+        # greedy tokens of single-sequence decoding for every prompt (untimed; the agreement's baseline)
+        for p in prompts[:top]:
+            rt.reset()
+            single_ids.append(rt.generate(p, b.gen_tokens, []).ids)
+        rt.generate_many([(i, prompts[i], 2) for i in range(top)], [], slots=top)    # warm-up, builds the context
+        for r in range(b.rounds):
+            tool_rows = run_llama_batched_bench(exe, gguf, threads, n_batch, flash, b.prompt_tokens, b.gen_tokens,
+                                                seqs, (rt.info["cache_type_k"], rt.info["cache_type_v"]))
+            k = r % top
+            rt.reset()
+            single = _aggregate_decode([rt.generate(prompts[k], b.gen_tokens, [])])
+            ours = {}
+            for n in seqs:
+                rt.reset()
+                gens = rt.generate_many([(i, prompts[i], b.gen_tokens) for i in range(n)], [], slots=top)
+                ours[n] = _aggregate_decode(gens)
+                batched_ids[n].append([g.ids for g in gens])
+            rounds.append({"tool": {n: tool_rows[n]["decode_tokens_per_s"] for n in seqs},
+                           "single": single, "batched": ours})
+    finally:
+        rt.close()
+    med = statistics.median
+    tool1 = med(x["tool"][min(seqs)] for x in rounds) if 1 in seqs else None
+    single = med(x["single"] for x in rounds)
+    rows = {}
+    for n in seqs:
+        ours_n = med(x["batched"][n] for x in rounds)
+        tool_n = med(x["tool"][n] for x in rounds)
+        ours_up = med(x["batched"][n] / x["single"] for x in rounds)
+        tool_up = med(x["tool"][n] / x["tool"][1] for x in rounds) if 1 in seqs else None
+        rows[n] = {
+            "decode_tokens_per_s": ours_n, "speedup": ours_up,
+            "tool_decode_tokens_per_s": tool_n, "tool_speedup": tool_up,
+            "ratio": (ours_up / tool_up) if tool_up else None,
+            "agreement": agreement(single_ids[:n], batched_ids[n][0]),
+            "deterministic": all(run == batched_ids[n][0] for run in batched_ids[n]),
+            "rounds": {"ours": [x["batched"][n] for x in rounds], "tool": [x["tool"][n] for x in rounds]},
+        }
+    judged = [n for n in seqs if n > 1 and rows[n]["ratio"] is not None]
+    return {
+        "variant": b.batched_variant, "file": gguf.name, "threads": threads, "n_batch": n_batch,
+        "flash_attn": flash, "prompt_tokens": b.prompt_tokens, "gen_tokens": b.gen_tokens, "rounds": b.rounds,
+        "single_decode_tokens_per_s": single, "tool_single_decode_tokens_per_s": tool1,
+        "single_rounds": [x["single"] for x in rounds], "sequences": {str(n): rows[n] for n in seqs},
+        "min_ratio": b.min_ratio,
+        "meets_min_ratio": bool(judged) and all(rows[n]["ratio"] >= b.min_ratio for n in judged),
+        "min_agreement": min(rows[n]["agreement"] for n in seqs),
+        "tool": str(exe),
+    }
+
+
+def format_batched(out: dict) -> str:
+    lines = [f"batched decoding, {out['variant']} ({out['file']}): {out['threads']} threads, n_batch "
+             f"{out['n_batch']}, flash attention {'on' if out['flash_attn'] else 'off'}, {out['prompt_tokens']}-token "
+             f"prompts + {out['gen_tokens']} generated, median of {out['rounds']} interleaved rounds",
+             f"  single-sequence path (generate): {out['single_decode_tokens_per_s']:.1f} tok/s decode",
+             f"{'  sequences':<13}{'ours tok/s':>11}{'speed-up':>10}{'llama-batched-bench':>21}{'speed-up':>10}"
+             f"{'ratio':>8}{'agreement':>11}{'same twice':>12}"]
+    for n, r in out["sequences"].items():
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        tool_up = "-" if r["tool_speedup"] is None else f"{r['tool_speedup']:.2f}x"
+        lines.append(f"  {n:<11}{r['decode_tokens_per_s']:>11.1f}{r['speedup']:>9.2f}x"
+                     f"{r['tool_decode_tokens_per_s']:>21.1f}{tool_up:>10}{ratio:>8}{r['agreement']:>11.1%}"
+                     f"{'yes' if r['deterministic'] else 'NO':>12}")
+    lines.append(f"  speed-up ratio >= {out['min_ratio']} at every number of sequences > 1: "
+                 f"{'yes' if out['meets_min_ratio'] else 'NO'}; lowest token agreement {out['min_agreement']:.2%}")
+    return "\n".join(lines)
