@@ -83,6 +83,39 @@ def greedy_decode(prefill: Callable[[], int], step: Callable[[int], int], max_ne
     return ids, "eos", ttft, times
 
 
+def greedy_decode_many(first: Sequence[int], step: Callable[[list[int], list[list[int]]], list[int]],
+                       budgets: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[list[int]], list[str],
+                                                                                 list[list[float]]]:
+    """``greedy_decode`` for several sequences decoded together: ``first`` holds each sequence's first token (from
+    the prefill); ``step(live, ids)`` feeds the last reply token of each sequence in ``live`` (indices, in order;
+    ``ids`` the replies so far) in one batched call and returns their next tokens. Returns (ids without stop
+    tokens, 'eos' or 'length' per sequence, per-step decode seconds per sequence: the whole step's time, which
+    the sequences share); ``len(times[i])`` ids of sequence i were fed back into the model."""
+    stops = set(int(t) for t in stop_ids)
+    n = len(first)
+    ids: list[list[int]] = [[] for _ in range(n)]
+    stop = ["length"] * n
+    times: list[list[float]] = [[] for _ in range(n)]
+    live, nxt = list(range(n)), list(first)
+    while True:
+        still = []
+        for i, token in zip(live, nxt):
+            if token in stops:
+                stop[i] = "eos"
+                continue
+            ids[i].append(token)
+            if len(ids[i]) < budgets[i]:
+                still.append(i)
+        live = still
+        if not live:
+            return ids, stop, times
+        t = time.perf_counter()
+        nxt = step(live, ids)
+        dt = time.perf_counter() - t
+        for i in live:
+            times[i].append(dt)
+
+
 class Runtime(abc.ABC):
     """A loaded artifact. Subclasses set ``self.info`` (device, dtype, threads, kernel, ...)."""
 

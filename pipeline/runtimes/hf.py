@@ -14,7 +14,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from pipeline.errors import ConfigError, Skip
-from pipeline.runtimes.base import FullLogitsRuntime, Generation, greedy_decode
+from pipeline.runtimes.base import FullLogitsRuntime, Generation, greedy_decode, greedy_decode_many
 
 if TYPE_CHECKING:
     from pipeline.config import RuntimeConfig
@@ -210,7 +210,6 @@ class HFRuntime(FullLogitsRuntime):
 
         if not self.batched or len(requests) <= 1:
             return super().generate_many(requests, stop_ids, slots)
-        stops = set(int(t) for t in stop_ids)
         prompts = [[int(t) for t in p] for _, p, _ in requests]
         budgets = [int(r[2]) for r in requests]
         n, width = len(prompts), max(len(p) for p in prompts)
@@ -222,41 +221,26 @@ class HFRuntime(FullLogitsRuntime):
         t0 = time.perf_counter()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                          logits_to_keep=1)
-        nxt = out.logits[:, -1].argmax(-1).tolist()
+        first = out.logits[:, -1].argmax(-1).tolist()
         self._sync()
         ttft = time.perf_counter() - t0
-        replies: list[list[int]] = [[] for _ in range(n)]
-        stop = ["length"] * n
-        times: list[list[float]] = [[] for _ in range(n)]
-        rows = list(range(n))            # request index of each batch row
-        last = pos[:, -1]
-        while True:
-            keep = []
-            for r, i in enumerate(rows):
-                if nxt[r] in stops:
-                    stop[i] = "eos"
-                    continue
-                replies[i].append(nxt[r])
-                if len(replies[i]) < budgets[i]:
-                    keep.append(r)
-            if not keep:
-                break
-            if len(keep) < len(rows):
-                index = torch.tensor(keep, dtype=torch.long, device=dev)
+        batch = {"rows": list(range(n)), "mask": mask, "last": pos[:, -1]}   # request index of each batch row
+
+        def step(live: list[int], replies: list[list[int]]) -> list[int]:
+            if len(live) < len(batch["rows"]):          # finished sequences leave the batch
+                index = torch.tensor([batch["rows"].index(i) for i in live], dtype=torch.long, device=dev)
                 cache.batch_select_indices(index)
-                mask, last = mask[index], last[index]
-                rows = [rows[r] for r in keep]
-            feed = torch.tensor([[replies[i][-1]] for i in rows], dtype=torch.long, device=dev)
-            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
-            last = last + 1
-            t = time.perf_counter()
-            out = self.model(input_ids=feed, attention_mask=mask, position_ids=last[:, None], cache=cache,
+                batch.update(rows=live, mask=batch["mask"][index], last=batch["last"][index])
+            m = batch["mask"] = torch.cat([batch["mask"], batch["mask"].new_ones((len(live), 1))], dim=-1)
+            last = batch["last"] = batch["last"] + 1
+            feed = torch.tensor([[replies[i][-1]] for i in live], dtype=torch.long, device=dev)
+            out = self.model(input_ids=feed, attention_mask=m, position_ids=last[:, None], cache=cache,
                              use_cache=True, logits_to_keep=1)
             nxt = out.logits[:, -1].argmax(-1).tolist()
             self._sync()
-            dt = time.perf_counter() - t
-            for i in rows:
-                times[i].append(dt)
+            return nxt
+
+        replies, stop, times = greedy_decode_many(first, step, budgets, stop_ids)
         self.reset()             # the single-sequence cache no longer matches anything generate() saw
         return [Generation(ids=replies[i], stop=stop[i], prompt_tokens=len(prompts[i]),
                            prefill_tokens=len(prompts[i]), ttft_s=ttft, decode_times_s=times[i]) for i in range(n)]

@@ -15,7 +15,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from pipeline.errors import ConfigError, Skip
-from pipeline.runtimes.base import FullLogitsRuntime, Generation, greedy_decode
+from pipeline.runtimes.base import FullLogitsRuntime, Generation, greedy_decode, greedy_decode_many
 
 if TYPE_CHECKING:
     from pipeline.config import RuntimeConfig
@@ -233,7 +233,6 @@ class LlamaCppRuntime(FullLogitsRuntime):
 
         if not requests:
             return []
-        stops = set(int(t) for t in stop_ids)
         slots = max(slots, 1 + max(r[0] for r in requests))
         per_seq = max(len(p) + n for _, p, n in requests)
         per_seq = ((per_seq + 255) // 256) * 256
@@ -282,33 +281,12 @@ class LlamaCppRuntime(FullLogitsRuntime):
                 if k == len(prompts[i]) - 1:
                     first[i] = argmax(j)
                     ttft[i] = time.perf_counter() - t0
-        ids: list[list[int]] = [[] for _ in range(n)]
-        stop = ["length"] * n
-        times: list[list[float]] = [[] for _ in range(n)]
-        nxt = list(first)
-        live = []
-        for i in range(n):
-            if nxt[i] in stops:
-                stop[i] = "eos"
-                continue
-            ids[i].append(nxt[i])
-            if len(ids[i]) < budgets[i]:
-                live.append(i)
-        while live:
-            t = time.perf_counter()
+
+        def step(live: list[int], ids: list[list[int]]) -> list[int]:
             run([(ids[i][-1], len(prompts[i]) + len(ids[i]) - 1, seq[i], True) for i in live])
-            step = [argmax(j) for j in range(len(live))]
-            dt = time.perf_counter() - t
-            still = []
-            for i, tok in zip(live, step):
-                times[i].append(dt)
-                if tok in stops:
-                    stop[i] = "eos"
-                    continue
-                ids[i].append(tok)
-                if len(ids[i]) < budgets[i]:
-                    still.append(i)
-            live = still
+            return [argmax(j) for j in range(len(live))]
+
+        ids, stop, times = greedy_decode_many(first, step, budgets, stop_ids)
         out = []
         for i in range(n):
             cached[seq[i]] = prompts[i] + ids[i][:len(times[i])]      # the tokens whose cells exist
