@@ -259,7 +259,8 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         return {"status": result["status"], "reason": result.get("reason"), "runtime": result.get("runtime"),
                 "description": result.get("description")}
     ev_dir = Path(result["evaluation"]["dir"])
-    tf = read_json(ev_dir / "teacher_forced.json")
+    # teacher-forced scores: their own stage (older results kept them beside the samples)
+    tf = read_json(Path(result["evaluation"].get("scores_dir") or ev_dir) / "teacher_forced.json")
     samples = read_jsonl(ev_dir / "samples.jsonl")
     timing = trial_figures(trials)
     speed = {**timing["medians"], **{k: timing[k] for k in ("prompt_tokens", "decode_tokens", "repeats", "load_s",

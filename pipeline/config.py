@@ -252,6 +252,9 @@ class ReferenceConfig:
     # auto: the F16 GGUF (variant gguf_f16) produces the transcripts when the parity check holds, else the original.
     runtime: str = "auto"
     top_k: int = 1024
+    # Where the top-K leaves more than this probability outside, the original's whole distribution is kept and the
+    # KLD there is exact (None or 1 keeps only the top-K + one tail bucket).
+    exact_tail_mass: float | None = 0.01
     # Parity gates: F16 GGUF vs original on the same ids.
     parity_max_kld: float = 1e-3
     parity_tokens: int = 512
@@ -259,6 +262,9 @@ class ReferenceConfig:
     def __post_init__(self) -> None:
         _one_of("reference.runtime", self.runtime, ("auto", "original", "gguf_f16"))
         _positive_int("reference.top_k", self.top_k)
+        if self.exact_tail_mass is not None and not 0.0 <= self.exact_tail_mass <= 1.0:
+            raise ConfigError(f"reference.exact_tail_mass must be a probability in [0, 1] or null, got "
+                              f"{self.exact_tail_mass!r}")
 
 
 @dataclass

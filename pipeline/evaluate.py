@@ -27,18 +27,23 @@ log = logging.getLogger(__name__)
 
 
 def teacher_forced(runtime, ref: SuiteReference, top_k: int) -> dict[str, dict]:
-    """Per conversation: per-token KLD, top-1 agreement, NLL of the reference token under both models."""
+    """Per conversation: per-token KLD, top-1 agreement, NLL of the reference token under both models. The KLD is
+    the top-K + tail-bucket figure, exact (full vocabulary, from the same pass) at the reference's exact rows."""
     out = {}
     for tr in tqdm(ref.transcripts, desc=f"teacher-forced {ref.suite}", unit="conv", leave=False):
         s = ref.scores.get(tr["id"])
         if s is None:
             continue
+        rows, ref_rows = ref.rows.get(tr["id"], (np.empty(0, dtype=np.int64), None))
         cand = np.concatenate([s["topk_ids"].astype(np.int64), np.asarray(tr["ids"])[s["pos"] + 1][:, None]], axis=1)
-        scores = runtime.score(tr["ids"], s["pos"].tolist(), cand)
+        scores = runtime.score(tr["ids"], s["pos"].tolist(), cand, full_rows=rows)
         lp, argmax = scores.logprobs, scores.argmax
         kld = metrics.kld_topk_tail(s["topk_lp"], s["tail"], lp[:, :top_k])
+        if len(rows):
+            kld[rows] = metrics.kld_full(ref_rows, scores.full)
         out[tr["id"]] = {
             "kld": kld.astype(np.float32).tolist(),
+            "exact_rows": rows.tolist(),
             "top1": (argmax == s["topk_ids"][:, 0]).astype(int).tolist(),
             "nll_variant": (-lp[:, top_k]).astype(np.float32).tolist(),
             "nll_reference": (-s["actual_lp"].astype(np.float64)).astype(np.float32).tolist(),
@@ -114,9 +119,10 @@ def exact_sample(ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> tuple[dic
 
 
 def kld_exactness(variant_rt, original_rt, ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> dict:
-    """The stored KLD (the original's top-K + one tail bucket) against the exact full-vocabulary KLD on a sample
-    of reference positions: both from the same full distributions of the original (transformers) and of the
-    variant (its own runtime), so the ratio is the stored figure's own error."""
+    """The stored KLD as ``teacher_forced`` computes it (the original's top-K + one tail bucket, exact at the
+    reference's exact rows) against the exact full-vocabulary KLD on a sample of reference positions: both from
+    the same full distributions of the original (transformers) and of the variant (its own runtime), so the ratio
+    is the stored figure's own error. ``ratio_topk_only``: the same without the exact rows."""
     tr, idx = exact_sample(ref, n)
     s = ref.scores[tr["id"]]
     pos = s["pos"][idx]
@@ -124,10 +130,18 @@ def kld_exactness(variant_rt, original_rt, ref: SuiteReference, n: int = EXACT_S
     lp_var = variant_rt.logprobs(tr["ids"], pos.tolist())
     exact = metrics.kld_full(lp_ref, lp_var)
     ids = s["topk_ids"][idx].astype(np.int64)
-    stored = metrics.kld_topk_tail(s["topk_lp"][idx], s["tail"][idx], np.take_along_axis(lp_var, ids, axis=1))
-    e, st = float(exact.mean()), float(stored.mean())
+    bucket = metrics.kld_topk_tail(s["topk_lp"][idx], s["tail"][idx], np.take_along_axis(lp_var, ids, axis=1))
+    stored = bucket.copy()
+    rows, ref_rows = ref.rows.get(tr["id"], (np.empty(0, dtype=np.int64), None))
+    at = {int(r): j for j, r in enumerate(rows)}
+    hit = [(i, at[int(r)]) for i, r in enumerate(idx) if int(r) in at]
+    if hit:
+        mine, theirs = (np.array(x) for x in zip(*hit))
+        stored[mine] = metrics.kld_full(ref_rows[theirs], lp_var[mine])
+    e, st, b = float(exact.mean()), float(stored.mean()), float(bucket.mean())
     return {"sample": f"{ref.suite}/{tr['id']}", "tokens": int(len(idx)), "top_k": int(ids.shape[1]),
-            "kld_exact_mean": e, "kld_stored_mean": st, "ratio": (st / e) if e > 0 else None,
+            "exact_rows": len(hit), "kld_exact_mean": e, "kld_stored_mean": st, "ratio": (st / e) if e > 0 else None,
+            "kld_topk_only_mean": b, "ratio_topk_only": (b / e) if e > 0 else None,
             "tail_mass_mean": float(np.exp(s["tail"][idx].astype(np.float64)).mean())}
 
 
@@ -192,9 +206,12 @@ def _generation_options(options: dict) -> dict:
 
 def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, artifact: Artifact,
                      suites: dict[str, list[Conversation]], refs: dict[str, SuiteReference], producer: dict) -> dict:
-    """Runs (a) and (b) for cfg.variant, resumable per conversation. Returns the variant's raw result."""
+    """Runs (b), free-running, then (a), teacher-forced scoring (``score_variant``) for cfg.variant, each a stage
+    of its own and resumable per conversation. Returns the variant's raw result."""
     variant = cfg.variant
     out_dir = cfg.model_dir / "runs" / cfg.run.name / variant.name
+    # what the replies depend on: the reference transcripts (and the top-K stored with them), never how the KLD
+    # is scored, so a scoring change rescores without regenerating a reply
     key = {
         "schema_version": SCHEMA_VERSION,    # an evaluation from another contract is recomputed, never misread
         **_runtime_key(cfg, artifact),
@@ -205,53 +222,34 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
     reuse_reference = reuses_reference(cfg, artifact, producer)
 
     def build(tmp: Path) -> dict:
-        tf_journal = Journal(out_dir, "teacher_forced", key)
         fr_journal = Journal(out_dir, "free_running", key)
-        ex_journal = Journal(out_dir, "kld_exactness", key)
-        need_tf = [s for s in refs if s not in tf_journal]
         need_fr = [] if reuse_reference else [s for s in refs if s not in fr_journal]
-        # the stored KLD against the exact one on a sample: the variant needs full logits, and the original on
-        # transformers against itself measures nothing
-        from pipeline.config import VariantConfig
-
-        plain_original = VariantConfig(name="original")
-        exact_ok = (runtime_class(variant.runtime).full_logits and not (
-            variant.runtime == plain_original.runtime and artifact.hash == original.hash
-            and not runtime_class(variant.runtime).kv_cache_applied(variant.runtime_options)))
-        need_ex = [s for s in refs if s not in ex_journal and refs[s].scores] if exact_ok else []
-        if need_tf or need_fr or need_ex:
+        info = None
+        if need_fr:
             need = max(context_needed(suites[s], renderer, refs[s].transcripts) for s in refs)
             rt = load_runtime(variant, artifact.path, cfg,
                               n_ctx=n_ctx_for(need, original.facts.get("context_length")))
             info = rt.info
-            for s in need_tf:
-                tf_journal.add(s, teacher_forced(rt, refs[s], cfg.reference.top_k))
-            if need_ex:
-                hf = load_runtime(plain_original, original.checkpoint, cfg)
-                try:
-                    for s in need_ex:
-                        ex_journal.add(s, kld_exactness(rt, hf, refs[s]))
-                finally:
-                    hf.close()
             gen_rt, fr_note = rt, None
             # The stand-in runs on llama.cpp, whose cache is not the hf int8 cache: a KV variant uses the kernel.
-            if need_fr and variant.runtime_options.get("free_running") == "dequantized" \
+            if variant.runtime_options.get("free_running") == "dequantized" \
                     and artifact.info.get("format") in ("gptq", "awq") and "kv_cache" not in variant.runtime_options:
                 gen_rt, fr_note = _choose_generator(cfg, rt, artifact, refs, original, need)
-            for s in need_fr:
-                convs = {c.id: c for c in suites[s]}
-                conv_journal = Journal(out_dir, f"free_running_{s}", key)
-                todo = [convs[tr["id"]] for tr in refs[s].transcripts if tr["id"] not in conv_journal]
-                free_run(gen_rt, renderer, todo, stop_ids, original.facts.get("context_length"), cfg.profile.batch,
-                         lambda tr: conv_journal.add(tr["id"], tr), f"free-running {s} ({variant.name})")
-                fr_journal.add(s, {tr["id"]: conv_journal.get(tr["id"]) for tr in refs[s].transcripts})
-            if gen_rt is not rt:
-                gen_rt.close()
+            try:
+                for s in need_fr:
+                    convs = {c.id: c for c in suites[s]}
+                    conv_journal = Journal(out_dir, f"free_running_{s}", key)
+                    todo = [convs[tr["id"]] for tr in refs[s].transcripts if tr["id"] not in conv_journal]
+                    free_run(gen_rt, renderer, todo, stop_ids, original.facts.get("context_length"),
+                             cfg.profile.batch, lambda tr: conv_journal.add(tr["id"], tr),
+                             f"free-running {s} ({variant.name})")
+                    fr_journal.add(s, {tr["id"]: conv_journal.get(tr["id"]) for tr in refs[s].transcripts})
+            finally:
+                if gen_rt is not rt:
+                    gen_rt.close()
+                rt.close()
             if fr_note is not None:
                 fr_journal.add("_path", fr_note)
-            rt.close()
-        else:
-            info = None
         free = {s: ({tr["id"]: tr for tr in refs[s].transcripts} if reuse_reference else fr_journal.get(s))
                 for s in refs}
         samples = []
@@ -262,12 +260,6 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
                 for row in compare_free_running(tr, var_tr):
                     extra = {"meta": meta[s][tr["id"]]} if tr["id"] in meta[s] else {}
                     samples.append({"variant": variant.name, "suite": s, "conversation": tr["id"], **row, **extra})
-        tf_all = {s: tf_journal.get(s) for s in refs}
-        for s, convs in tf_all.items():        # depth/length of recall documents, for drift by depth
-            for cid, c in convs.items():
-                if cid in meta[s]:
-                    c["meta"] = meta[s][cid]
-        write_json(tmp / "teacher_forced.json", tf_all)
         write_jsonl(tmp / "samples.jsonl", samples)
         path_note = fr_journal.get("_path") if "_path" in fr_journal else None
         if reuse_reference:
@@ -276,20 +268,78 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
             source = "dequantized weights as F16 GGUF on llama.cpp (checked against the kernel)"
         else:
             source = f"{variant.name} on {variant.runtime} (real kernel)"
-        if info is None:       # resumed with every journal complete: load once more for the runtime's facts
-            rt = load_runtime(variant, artifact.path, cfg, n_ctx=512)
-            info = rt.info
-            rt.close()
-        exactness = {s: ex_journal.get(s) for s in refs if s in ex_journal}
-        return {"runtime_info": info, "free_running_source": source, "kld_exactness": exactness or None,
-                "dequantized_check": path_note}
+        return {"runtime_info": info, "free_running_source": source, "dequantized_check": path_note}
 
     manifest = run_stage(f"evaluate:{variant.name}", out_dir, key, build, force=cfg.force)
+    scores = score_variant(cfg, original, renderer, artifact, suites, refs)
     return {
         "manifest": manifest,
-        "teacher_forced": read_json(out_dir / "teacher_forced.json"),
+        "scores_manifest": scores,
+        "teacher_forced": read_json(Path(scores["dir"]) / "teacher_forced.json"),
         "samples_path": str(out_dir / "samples.jsonl"),
     }
+
+
+def score_variant(cfg: Config, original: Original, renderer: ChatRenderer, artifact: Artifact,
+                  suites: dict[str, list[Conversation]], refs: dict[str, SuiteReference]) -> dict:
+    """(a): cfg.variant teacher-forced on every reference transcript (KLD, top-1, NLL per token), and the stored
+    KLD against the exact one on a sample. Its own stage: it depends on how the reference is scored (top-K, exact
+    rows), the free-running replies do not. Returns the stage's manifest plus its directory."""
+    variant = cfg.variant
+    out_dir = cfg.model_dir / "runs" / cfg.run.name / f"{variant.name}.scores"
+    key = {
+        "schema_version": SCHEMA_VERSION,
+        **_runtime_key(cfg, artifact),
+        "references": {s: r.hash for s, r in refs.items()},
+        "exact_rows": {s: r.rows_hash for s, r in refs.items()},
+    }
+    from pipeline.config import VariantConfig
+
+    plain_original = VariantConfig(name="original")
+    # the stored KLD against the exact one: the variant needs full logits, and the original on transformers
+    # against itself measures nothing
+    exact_ok = (runtime_class(variant.runtime).full_logits and not (
+        variant.runtime == plain_original.runtime and artifact.hash == original.hash
+        and not runtime_class(variant.runtime).kv_cache_applied(variant.runtime_options)))
+
+    def build(tmp: Path) -> dict:
+        tf_journal = Journal(out_dir, "teacher_forced", key)
+        ex_journal = Journal(out_dir, "kld_exactness", key)
+        need_tf = [s for s in refs if s not in tf_journal]
+        need_ex = [s for s in refs if s not in ex_journal and refs[s].scores] if exact_ok else []
+        info = None
+        if need_tf or need_ex:
+            need = max(context_needed(suites[s], renderer, refs[s].transcripts) for s in refs)
+            rt = load_runtime(variant, artifact.path, cfg, n_ctx=n_ctx_for(need, original.facts.get("context_length")))
+            try:
+                info = rt.info
+                for s in need_tf:
+                    tf_journal.add(s, teacher_forced(rt, refs[s], cfg.reference.top_k))
+                if need_ex:
+                    hf = load_runtime(plain_original, original.checkpoint, cfg)
+                    try:
+                        for s in need_ex:
+                            ex_journal.add(s, kld_exactness(rt, hf, refs[s]))
+                    finally:
+                        hf.close()
+            finally:
+                rt.close()
+        tf_all = {s: tf_journal.get(s) for s in refs}
+        meta = {s: {c.id: c.meta for c in suites[s] if c.meta} for s in refs}
+        for s, convs in tf_all.items():        # depth/length of recall documents, for drift by depth
+            for cid, c in convs.items():
+                if cid in meta[s]:
+                    c["meta"] = meta[s][cid]
+        write_json(tmp / "teacher_forced.json", tf_all)
+        exactness = {s: ex_journal.get(s) for s in refs if s in ex_journal}
+        rows = sum(len(c.get("exact_rows", ())) for convs in tf_all.values() for c in convs.values())
+        positions = sum(len(c["kld"]) for convs in tf_all.values() for c in convs.values())
+        return {"runtime_info": info, "kld_exactness": exactness or None,
+                "exact_rows": {"rows": rows, "positions": positions,
+                               "exact_tail_mass": cfg.reference.exact_tail_mass}}
+
+    manifest = run_stage(f"score:{variant.name}", out_dir, key, build, force=cfg.force)
+    return {**manifest, "dir": str(out_dir)}
 
 
 def deployment_suites(cfg: Config, parity: dict | None, suites: dict) -> list[str]:

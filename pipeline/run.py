@@ -153,11 +153,15 @@ def evaluate_job(cfg: Config) -> dict:
             "artifact": {"path": str(artifact.path), "bytes": artifact.bytes, "hash": artifact.hash,
                          "info": artifact.info},
             "evaluation": {"dir": str(Path(raw["samples_path"]).parent), "manifest_hash": raw["manifest"]["key_hash"],
-                           "runtime_info": raw["manifest"].get("runtime_info"),
+                           "scores_dir": raw["scores_manifest"]["dir"],
+                           "scores_manifest_hash": raw["scores_manifest"]["key_hash"],
+                           "runtime_info": (raw["scores_manifest"].get("runtime_info")
+                                            or raw["manifest"].get("runtime_info")),
                            "free_running_source": raw["manifest"].get("free_running_source"),
                            "dequantized_check": raw["manifest"].get("dequantized_check"),
-                           "kld_exactness": raw["manifest"].get("kld_exactness"),
-                           "wall_s": raw["manifest"].get("wall_s")},
+                           "kld_exactness": raw["scores_manifest"].get("kld_exactness"),
+                           "exact_rows": raw["scores_manifest"].get("exact_rows"),
+                           "wall_s": (raw["manifest"].get("wall_s") or 0) + (raw["scores_manifest"].get("wall_s") or 0)},
             "deployment": served,
             # what a speed trial of this variant runs (pipeline.speed measures all variants, interleaved)
             "probe": probe_spec(cfg, variant, artifact,

@@ -143,7 +143,8 @@ def _drift(summary: dict) -> dict:
 
 
 def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, tiny_llama):
-    """kill -9 at the F16 conversion, the reference, the evaluation, the speed trials and the report; each rerun
+    """kill -9 at the F16 conversion, the reference (transcripts, exact rows), the evaluation (free-running,
+    scoring), the speed trials and the report; each rerun
     resumes, and the final summary's drift equals an uninterrupted run's."""
     common = [f"model.source={tiny_llama}", "model.name=tiny", "profile=smoke", "run.suites=[smoke]",
               f"paths.cache={PROJECT_ROOT / '.cache'}"]
@@ -159,7 +160,8 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, ti
         assert subprocess.run(exe + args + common + paths(clean), capture_output=True, timeout=900).returncode == 0
     killed = tmp_path / "killed"
     for args, marker in ((sweep, "convert:f16-gguf: building"), (sweep, "reference:smoke: building"),
-                         (sweep, "evaluate:gguf_q8_0: building"), (report, "speed: trial 2/"),
+                         (sweep, "reference:smoke:exact_rows: building"), (sweep, "evaluate:gguf_q8_0: building"),
+                         (sweep, "score:gguf_q8_0: building"), (report, "speed: trial 2/"),
                          (report, "report: summarising")):
         proc = subprocess.Popen(exe + args + common + paths(killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)

@@ -48,6 +48,7 @@ class Scores:
     logprobs: np.ndarray     # float64 (n, K): log p(candidates[i, k] | ids[: positions[i] + 1])
     argmax: np.ndarray       # int64 (n,): the most likely next id at each position
     logsumexp: np.ndarray    # float64 (n,): log of the sum of exp(logits) over the vocabulary
+    full: np.ndarray | None = None   # float64 (len(full_rows), vocab): the whole log-softmax at the rows asked for
 
 
 @dataclass
@@ -167,9 +168,11 @@ class Runtime(abc.ABC):
         tokens reuses their cache (multi-turn); ``reset()`` first for a cold prefill (timing probes)."""
 
     @abc.abstractmethod
-    def score(self, ids: Sequence[int], positions: Sequence[int], candidates: np.ndarray) -> Scores:
+    def score(self, ids: Sequence[int], positions: Sequence[int], candidates: np.ndarray,
+              full_rows: Sequence[int] = ()) -> Scores:
         """Teacher-forced log-probs of ``candidates`` (int (len(positions), K)) after ``ids[p]`` for each p in
-        ``positions``, from one pass over ``ids``; see ``Scores``."""
+        ``positions``, from one pass over ``ids``; see ``Scores``. ``full_rows`` (indices into ``positions``):
+        rows whose whole vocabulary log-softmax comes back too (``Scores.full``), from the same pass."""
 
     def tokenize_document(self, text: str) -> tuple[list[int], int | None]:
         """A whole text as this runtime's own tools tokenize a document (BOS per the model's metadata, special-
@@ -228,13 +231,15 @@ class FullLogitsRuntime(Runtime):
         return log_softmax(self.logits(ids, positions))
 
     def score(self, ids: Sequence[int], positions: Sequence[int], candidates: np.ndarray,
-              chunk: int = 256) -> Scores:
+              full_rows: Sequence[int] = (), chunk: int = 256) -> Scores:
         """One forward pass; the log-softmax runs in chunks of positions to bound float64 temporaries."""
         candidates = np.asarray(candidates, dtype=np.int64)
         logits = self.logits(ids, positions)
         out = np.empty(candidates.shape, dtype=np.float64)
         argmax = np.empty(len(candidates), dtype=np.int64)
         lse = np.empty(len(candidates), dtype=np.float64)
+        full_rows = np.asarray(full_rows, dtype=np.int64)
+        full = np.empty((len(full_rows), logits.shape[-1]), dtype=np.float64) if len(full_rows) else None
         for start in range(0, len(candidates), chunk):
             sel = slice(start, start + chunk)
             z = logits[sel].astype(np.float64)
@@ -244,7 +249,10 @@ class FullLogitsRuntime(Runtime):
             out[sel] = np.take_along_axis(z, candidates[sel], axis=-1) - log_sum
             lse[sel] = (m + log_sum)[:, 0]
             argmax[sel] = logits[sel].argmax(axis=-1)
-        return Scores(logprobs=out, argmax=argmax, logsumexp=lse)
+            if full is not None:
+                here = (full_rows >= start) & (full_rows < start + chunk)
+                full[here] = z[full_rows[here] - start] - log_sum[full_rows[here] - start]
+        return Scores(logprobs=out, argmax=argmax, logsumexp=lse, full=full)
 
 
 def require_full_logits(runtime: Runtime, why: str) -> FullLogitsRuntime:
