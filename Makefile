@@ -106,7 +106,11 @@ $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py:
 	  llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/gguf-py
 	test -f $@
 
-compare: setup
+# variants quantized with an importance matrix need llama.cpp's llama-imatrix and llama-quantize (`make llama-tools`)
+IMATRIX_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
+  grep -qs '^ *imatrix: *true' conf/variant/$${v%%+*}.yaml && echo $$v; done)
+
+compare: setup $(if $(strip $(IMATRIX_VARIANTS)),llama-tools)
 	$(VENV)/bin/quantdrift -m variant=$(VARIANTS) $(COMMON)
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 

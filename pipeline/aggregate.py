@@ -8,12 +8,13 @@ import numpy as np
 
 from pipeline import metrics
 from pipeline.catalogue import SCHEMA_VERSION, section_values
+from pipeline.quantizers.gguf import fallback_tensors
 from pipeline.runtimes import runtime_class
 from pipeline.speed import trial_figures
 from pipeline.stats import conversation_intervals, conversation_test, minimum_detectable
 from pipeline.store import read_json, read_jsonl
 
-__all__ = ["SCHEMA_VERSION", "variant_summary", "capacity_plan", "pooled_exactness"]
+__all__ = ["SCHEMA_VERSION", "variant_summary", "capacity_plan", "pooled_exactness", "imatrix_effects"]
 def kv_bytes_per_token_formula(facts: dict, element_bytes: float) -> float:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
     return 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"] * element_bytes
@@ -44,10 +45,11 @@ def pooled_exactness(exactness: dict | None) -> dict | None:
 def drift_figures(tf: dict) -> dict:
     """Token-level drift over every suite's reply tokens, plus position buckets, turns and suites."""
     kld, top1, dnll, pos, turn_keys, tail, nll_ref, nll_var = [], [], [], [], [], [], [], []
-    per_suite = {}
+    per_suite, per_conv = {}, {}
     for suite, convs in tf.items():
         s_kld, s_tail = [], []
         for cid, c in convs.items():
+            per_conv[f"{suite}/{cid}"] = [float(np.sum(c["kld"], dtype=np.float64)), len(c["kld"])]
             kld += c["kld"]
             s_kld += c["kld"]
             top1 += c["top1"]
@@ -78,6 +80,7 @@ def drift_figures(tf: dict) -> dict:
         "kld_by_position": metrics.position_buckets(pos, kld, 128),
         "kld_by_turn": {k: {"mean": float(np.mean(v)), "n": len(v)} for k, v in by_turn.items()},
         "kld_by_suite": per_suite,
+        "kld_by_conversation": per_conv,     # [sum of per-token KLD, tokens]: paired comparisons between variants
     }
 
 
@@ -298,7 +301,8 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         "speed_trials": {"rounds": len(trials or []), "values": timing["values"],
                          "failed": timing["failed_trials"]},
         "drift_detail": {**{k: drift[k] for k in ("kld_by_position", "kld_by_turn", "kld_by_suite",
-                                                   "kld_percentiles", "delta_p")}, "kld_exactness": exactness or None},
+                                                   "kld_percentiles", "delta_p", "kld_by_conversation")},
+                         "kld_exactness": exactness or None},
         "free_running": {**free, "source": result["evaluation"].get("free_running_source")},
         "recall": recall,
         "power": minimum_detectable(samples, tf),
@@ -315,7 +319,10 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
             "kv_gap_flagged": bool(gap is not None and gap > 0.10),
         },
         "artifact": {"path": result["artifact"]["path"], "format": info_a.get("format"),
+                     "bits_per_weight": result["artifact"].get("bits_per_weight"),
                      "gguf_type": info_a.get("gguf_type"), "tensor_types": info_a.get("tensor_types"),
+                     "fallback_tensors": fallback_tensors(info_a.get("gguf_type") or "", info_a.get("tensor_types")),
+                     "imatrix": info_a.get("imatrix"),
                      "group_size": info_a.get("group_size"), "quantize_settings": info_a.get("quantize_settings"),
                      "quantize_wall_s": info_a.get("quantize_wall_s", info_a.get("wall_s")),
                      "quantize_peak_rss_mb": info_a.get("quantize_peak_rss_mb")},
@@ -328,4 +335,42 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         },
     }
     out["roofline"] = roofline(out, bandwidth)
+    return out
+
+
+def imatrix_effects(variants: dict, seed: int = 0) -> list[dict]:
+    """Per GGUF type evaluated both plain and with an importance matrix (weights only, no KV-cache variant): the
+    change in mean KLD, importance matrix minus plain, paired over the same reference conversations (the same
+    token positions), with its 95 % bootstrap interval (conversations resampled) and a sign-flip test on the
+    per-conversation differences; significant when the interval excludes 0."""
+    from pipeline.stats import ALPHA, bootstrap_ratio, sign_flip_p
+
+    by_type: dict[str, dict[str, tuple[str, dict]]] = {}
+    for name, v in variants.items():
+        art = v.get("artifact") or {}
+        if v.get("status") != "ok" or not art.get("gguf_type") or "+" in name:   # "+": a KV-cache variant
+            continue
+        by_type.setdefault(art["gguf_type"], {})["imatrix" if art.get("imatrix") else "plain"] = (name, v)
+    out = []
+    for gtype, pair in sorted(by_type.items()):
+        if len(pair) < 2:
+            continue
+        (pn, pv), (imn, iv) = pair["plain"], pair["imatrix"]
+        pc = (pv.get("drift_detail") or {}).get("kld_by_conversation") or {}
+        ic = (iv.get("drift_detail") or {}).get("kld_by_conversation") or {}
+        common = [c for c in pc if c in ic and pc[c][1] == ic[c][1] and pc[c][1] > 0]
+        if not common:
+            continue
+        num = np.array([ic[c][0] - pc[c][0] for c in common])
+        den = np.array([pc[c][1] for c in common], dtype=np.float64)
+        ci = bootstrap_ratio(num, den, seed)
+        p = sign_flip_p(num / den, seed)
+        base = float(sum(pc[c][0] for c in common) / den.sum())
+        out.append({"type": gtype, "plain": pn, "imatrix": imn, "conversations": len(common),
+                    "kld_plain": base, "kld_imatrix": base + ci["estimate"],
+                    "delta": ci["estimate"], "low": ci["low"], "high": ci["high"],
+                    "relative": ci["estimate"] / base if base > 0 else None, "p_value": p,
+                    "significant": bool(ci["low"] > 0 or ci["high"] < 0), "alpha": ALPHA,
+                    "bits_plain": (pv.get("artifact") or {}).get("bits_per_weight"),
+                    "bits_imatrix": (iv.get("artifact") or {}).get("bits_per_weight")})
     return out

@@ -10,12 +10,12 @@ from pathlib import Path
 
 from pipeline.errors import ConfigError
 
+PROJECT_ROOT = Path(__file__).resolve().parents[1]     # not pipeline.config's: this module is a leaf (quantizers use it)
+
 
 def tools_dir(configured: str = "") -> Path:
     """The folder holding the built tools: ``configured`` (bench.llama_tools), else $QUANTDRIFT_LLAMA_TOOLS, else
     what `make print-llama-tools` names (the Makefile owns the cache layout)."""
-    from pipeline.config import PROJECT_ROOT
-
     folder = configured or os.environ.get("QUANTDRIFT_LLAMA_TOOLS", "")
     if not folder:
         try:

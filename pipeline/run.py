@@ -133,6 +133,7 @@ def evaluate_job(cfg: Config) -> dict:
         suites = load_suites(cfg, original, renderer)
         refs, producer, parity = setup_reference(cfg, original, renderer, suites)
         from pipeline.evaluate import deployment_path, deployment_suites, evaluate_variant
+        from pipeline.quantizers.base import bits_per_weight
         from pipeline.probe import probe_spec
 
         try:
@@ -151,7 +152,8 @@ def evaluate_job(cfg: Config) -> dict:
             "status": "ok",
             "reason": None,
             "artifact": {"path": str(artifact.path), "bytes": artifact.bytes, "hash": artifact.hash,
-                         "info": artifact.info},
+                         "info": artifact.info,
+                         "bits_per_weight": bits_per_weight(artifact.path, original.facts.get("params"))},
             "evaluation": {"dir": str(Path(raw["samples_path"]).parent), "manifest_hash": raw["manifest"]["key_hash"],
                            "scores_dir": raw["scores_manifest"]["dir"],
                            "scores_manifest_hash": raw["scores_manifest"]["key_hash"],

@@ -91,3 +91,30 @@ class Passthrough(Quantizer):
         weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
         return Artifact(variant=self.variant.name, path=ckpt, bytes=weights, hash=self.original.hash,
                         info={"format": "hf-safetensors", "dtype": self.original.facts.get("torch_dtype")})
+
+
+def bits_per_weight(path: Path, params: int | None) -> float | None:
+    """Stored bits per weight of an artifact. A GGUF file: 8 x its tensors' bytes / their elements (scales and
+    the fallback types included; llama.cpp's own "BPW" also counts the vocabulary and metadata). A safetensors
+    folder (the original, GPTQ, AWQ): 8 x its tensors' bytes (packed weights, zeros, scales, unquantized
+    embeddings and norms) / the original's parameter count ``params``. None when neither applies."""
+    import json
+    import struct
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        tensors = GGUFReader(str(path)).tensors
+        elements = sum(int(t.n_elements) for t in tensors)
+        return 8.0 * sum(int(t.n_bytes) for t in tensors) / elements if elements else None
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files or not params:
+        return None
+    stored = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        stored += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return 8.0 * stored / params

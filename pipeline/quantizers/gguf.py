@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -89,6 +89,7 @@ def convert_to_f16(cfg: Config, checkpoint: Path, original_hash: str, model_name
 
 
 def quantize_file(src: Path, dst: Path, ftype_name: str, threads: int) -> None:
+    """In-process llama_model_quantize (no importance matrix: llama-cpp-python cannot pass one)."""
     import llama_cpp
 
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}", None)
@@ -100,25 +101,122 @@ def quantize_file(src: Path, dst: Path, ftype_name: str, threads: int) -> None:
     params.nthread = threads
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
-        hint = " (IQ types need an importance matrix)" if ftype_name.startswith("IQ") else ""
-        raise RuntimeError(f"llama_model_quantize to {ftype_name} failed with code {rc}{hint}")
+        hint = " (low-bit IQ types need an importance matrix: variant.quantize.imatrix: true)" \
+            if ftype_name.startswith("IQ") else ""
+        raise Skip(f"llama.cpp refused to quantize this model to {ftype_name} (llama_model_quantize code {rc}){hint}")
+
+
+def refusal(text: str) -> str:
+    """llama.cpp's own reason for a failed llama-quantize / llama-imatrix run: its error lines, else the tail."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not set(ln.strip()) <= set("=")]
+    errors = [ln for ln in lines if any(w in ln.lower() for w in ("error", "failed", "missing", "bailing", "invalid"))]
+    return " | ".join((errors or lines)[-3:])[:600]
+
+
+def llama_quantize(tools: str, src: Path, dst: Path, ftype_name: str, threads: int,
+                   imatrix: Path | None = None) -> list[str] | None:
+    """llama.cpp's own llama-quantize (``--imatrix`` when given), built by `make llama-tools` from the same vendored
+    source as the wheel: without an importance matrix it writes byte-identical files to the in-process
+    llama_model_quantize (tests/test_imatrix.py checks it), so the artifact's key does not depend on which ran.
+    Returns its fallback warnings, or None when the tool is not built (then only a plain quant can run, in
+    process). A type it refuses for this model is a Skip carrying llama.cpp's own reason."""
+    from pipeline.llamatools import tool
+
+    try:
+        exe = tool("llama-quantize", tools)
+    except ConfigError as exc:
+        if imatrix is not None:
+            raise Skip(f"an importance-matrix quant needs llama.cpp's tools: {exc}") from None
+        return None
+    cmd = [str(exe), *(["--imatrix", str(imatrix)] if imatrix else []), str(src), str(dst), ftype_name, str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    text = proc.stderr + proc.stdout
+    if proc.returncode != 0:
+        dst.unlink(missing_ok=True)
+        if "invalid ftype" in text or "unknown ftype" in text.lower():
+            raise ConfigError(f"variant.quantize.type={ftype_name!r} is not a llama.cpp type: {refusal(text)}")
+        raise Skip(f"llama-quantize refused {ftype_name} for this model: {refusal(text)}")
+    return [ln.strip() for ln in text.splitlines() if "falling back" in ln]
+
+
+def imatrix_stage(cfg: Config, original, f16: Path, spec: dict, chunks: int | None, ctx: int) -> tuple[Path, dict]:
+    """llama.cpp's importance matrix of the F16 GGUF over the calibration text (never an evaluation turn), with
+    its own llama-imatrix; cached by its inputs, shared by every importance-matrix variant."""
+    from pipeline.llamatools import tool
+    from pipeline.quantizers.calibration import calibration_key, calibration_texts
+    from pipeline.store import load_manifest, stable_hash
+
+    try:
+        exe = tool("llama-imatrix", cfg.bench.llama_tools)
+    except ConfigError as exc:
+        raise Skip(f"an importance-matrix quant needs llama.cpp's tools: {exc}") from None
+    key = {"f16": load_manifest(f16.parent)["key_hash"], "calibration": calibration_key(spec), "chunks": chunks,
+           "ctx": ctx, "llama_cpp": metadata.version("llama-cpp-python")}
+    out_dir = cfg.model_dir / "imatrix" / stable_hash(key)[:16]
+
+    def build(tmp: Path) -> dict:
+        texts = calibration_texts(spec)
+        (tmp / "calibration.txt").write_text("\n\n".join(texts), encoding="utf-8")
+        cmd = [str(exe), "-m", str(f16), "-f", str(tmp / "calibration.txt"), "-o", str(tmp / "imatrix.gguf"),
+               "-c", str(ctx), "-t", str(cfg.runtime.n_threads), "--no-ppl"]
+        if chunks:
+            cmd += ["--chunks", str(chunks)]
+        log.info("computing the importance matrix of %s on %d calibration texts (llama-imatrix)", f16.name, len(texts))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        text = proc.stderr + proc.stdout
+        if proc.returncode != 0 or not (tmp / "imatrix.gguf").is_file():
+            raise RuntimeError(f"llama-imatrix failed (exit {proc.returncode}): {refusal(text)}")
+        import re
+
+        m = re.search(r"computing over (\d+) chunks", text)
+        return {"artifact": "imatrix.gguf", "chunks": int(m.group(1)) if m else None, "ctx": ctx,
+                "calibration_texts": len(texts), "calibration": {k: v for k, v in spec.items()}}
+
+    manifest = run_stage("imatrix", out_dir, key, build, force=cfg.force)
+    return out_dir / manifest["artifact"], {k: manifest.get(k) for k in ("key_hash", "chunks", "ctx", "wall_s",
+                                                                          "calibration_texts")}
+
+
+LEGACY_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}   # 32-wide blocks: llama.cpp's fallbacks
+
+
+def fallback_tensors(gguf_type: str, tensor_types: dict[str, int]) -> dict[str, int]:
+    """Tensors of a K or IQ file that llama.cpp wrote in a 32-wide legacy type instead (their rows are not a
+    multiple of the 256-wide super-block), by type; empty for other files."""
+    k_family = "_K" in gguf_type or (gguf_type.startswith("IQ") and gguf_type != "IQ4_NL")
+    return {t: n for t, n in (tensor_types or {}).items() if t in LEGACY_TYPES} if k_family else {}
 
 
 @dataclass
 class GGUFSettings:
-    """variant.quantize for gguf: the llama.cpp file type (F16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0, ...)."""
+    """variant.quantize for gguf: the llama.cpp file type (F16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0, IQ4_XS, ...),
+    and whether an importance matrix (llama-imatrix on calibration text) guides it, as published GGUF files are
+    made: imatrix: true, calibration: {path | dataset, field} (default prompts/calibration.jsonl),
+    imatrix_chunks (null: all of the text), imatrix_ctx (tokens per chunk, llama-imatrix's 512)."""
 
     type: str
+    imatrix: bool = False
+    calibration: dict = field(default_factory=dict)
+    imatrix_chunks: int | None = None
+    imatrix_ctx: int = 512
 
     def __post_init__(self) -> None:
-        from pipeline.settings import require
+        from pipeline.quantizers.calibration import CALIBRATION_KEYS
+        from pipeline.settings import one_of, positive_int, require
 
         require(isinstance(self.type, str) and self.type.replace("_", "").isalnum(), "variant.quantize.type",
                 self.type, "a llama.cpp type name such as Q4_K_M")
+        require(isinstance(self.imatrix, bool), "variant.quantize.imatrix", self.imatrix, "true or false")
+        positive_int("variant.quantize.imatrix_chunks", self.imatrix_chunks, allow_none=True)
+        positive_int("variant.quantize.imatrix_ctx", self.imatrix_ctx)
+        for k in self.calibration or {}:
+            one_of("variant.quantize.calibration", k, CALIBRATION_KEYS)
+        require(self.imatrix or not (self.calibration or self.imatrix_chunks), "variant.quantize.calibration",
+                self.calibration or self.imatrix_chunks, "calibration settings only with imatrix: true")
 
 
 class GGUFQuantizer(Quantizer):
-    """variant.quantize: {type: F16 | Q8_0 | Q6_K | Q5_K_M | Q4_K_M | Q4_0 | ...}."""
+    """variant.quantize: {type: F16 | Q8_0 | Q6_K | Q5_K_M | Q4_K_M | Q4_0 | IQ4_XS | ..., imatrix: bool, ...}."""
 
     Settings = GGUFSettings
 
@@ -129,19 +227,50 @@ class GGUFQuantizer(Quantizer):
             raise ConfigError(f"variant {self.variant.name}: variant.quantize.type is required for gguf (e.g. Q4_K_M)")
         return t
 
+    def _imatrix_spec(self) -> tuple[dict, int | None, int] | None:
+        q = self.variant.quantize
+        if not q.get("imatrix"):
+            return None
+        from pipeline.quantizers.calibration import DEFAULT_CALIBRATION
+
+        spec = {k: v for k, v in {**DEFAULT_CALIBRATION, **(q.get("calibration") or {})}.items()
+                if k not in ("samples", "seq_len")}          # llama-imatrix reads the whole text in ctx-sized chunks
+        return spec, q.get("imatrix_chunks"), int(q.get("imatrix_ctx", 512))
+
     def key(self) -> dict:
-        return {"type": self.gguf_type, "llama_cpp": metadata.version("llama-cpp-python")}
+        key = {"type": self.gguf_type, "llama_cpp": metadata.version("llama-cpp-python")}
+        im = self._imatrix_spec()
+        if im:
+            from pipeline.quantizers.calibration import calibration_key
+
+            key["imatrix"] = {"calibration": calibration_key(im[0]), "chunks": im[1], "ctx": im[2]}
+        return key
 
     def build(self, tmp: Path) -> dict:
         f16 = convert_to_f16(self.cfg, self.original.checkpoint, self.original.hash, self.cfg.model.name)
-        name = f"model-{self.gguf_type.lower()}.gguf"
-        if self.gguf_type == "F16":
+        im = self._imatrix_spec()
+        name = f"model-{self.gguf_type.lower()}{'-imat' if im else ''}.gguf"
+        extra: dict = {}
+        if self.gguf_type == "F16" and not im:
             try:  # the same bytes: a hard link costs no disk
                 os.link(f16, tmp / name)
             except OSError:
                 shutil.copy2(f16, tmp / name)
         else:
-            log.info("quantizing F16 GGUF to %s", self.gguf_type)
-            quantize_file(f16, tmp / name, self.gguf_type, self.cfg.runtime.n_threads)
-        return {"artifact": name, "format": "gguf", "gguf_type": self.gguf_type,
-                "tensor_types": tensor_types(tmp / name)}
+            imatrix, facts = imatrix_stage(self.cfg, self.original, f16, *im) if im else (None, None)
+            log.info("quantizing F16 GGUF to %s%s", self.gguf_type,
+                     f" with the importance matrix ({facts.get('chunks')} chunks)" if im else "")
+            warnings = llama_quantize(self.cfg.bench.llama_tools, f16, tmp / name, self.gguf_type,
+                                      self.cfg.runtime.n_threads, imatrix)
+            if warnings is None:        # llama.cpp's tools are not built: the same library, in process
+                quantize_file(f16, tmp / name, self.gguf_type, self.cfg.runtime.n_threads)
+            if im:
+                extra = {"imatrix": {**facts, "path": str(imatrix)}}
+        types = tensor_types(tmp / name)
+        fallback = fallback_tensors(self.gguf_type, types)
+        if fallback:
+            log.warning("%s: %d of %d quantized tensors are not %s but a 32-wide fallback type (%s): their rows are "
+                        "not a multiple of 256", self.variant.base, sum(fallback.values()),
+                        sum(n for t, n in types.items() if t not in ("F32", "F16", "BF16")), self.gguf_type,
+                        ", ".join(f"{t} {n}" for t, n in fallback.items()))
+        return {"artifact": name, "format": "gguf", "gguf_type": self.gguf_type, "tensor_types": types, **extra}

@@ -30,14 +30,12 @@ from pathlib import Path
 
 from pipeline.errors import ConfigError
 from pipeline.quantizers.base import Quantizer, Skip
-from pipeline.store import stable_hash
+from pipeline.quantizers.calibration import (CALIBRATION_KEYS, DEFAULT_CALIBRATION, PROJECT_ROOT, calibration_key,
+                                             calibration_texts)
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 GROUP_SIZES = (128, 64, 32)
-DEFAULT_CALIBRATION = {"path": str(PROJECT_ROOT / "prompts" / "calibration.jsonl"), "field": "text",
-                       "samples": 64, "seq_len": 256}
 
 
 def quantized_input_sizes(checkpoint: Path, dim: int = 1) -> dict[str, int]:
@@ -68,32 +66,8 @@ def choose_group_size(input_sizes: dict[str, int] | list[int], candidates=GROUP_
 
 
 def load_calibration(spec: dict, tokenizer, samples: int, seq_len: int) -> list[dict]:
-    """Calibration texts tokenized to at most seq_len tokens: a local JSONL (default: prompts/calibration.jsonl,
-    business prose kept apart from every scored evaluation turn) or a `datasets` source."""
-    field = spec.get("field", "text")
-    if spec.get("dataset"):
-        from datasets import load_dataset
-
-        try:
-            ds = load_dataset(spec["dataset"], spec.get("config"), split=spec.get("split", "train"))
-        except Exception as exc:
-            raise ConfigError(f"calibration.dataset={spec['dataset']!r} could not be loaded ({exc}); offline, "
-                              "point calibration.path at a local JSONL file") from None
-        texts = [r[field] for r in ds if isinstance(r.get(field), str) and r[field].strip()]
-    else:
-        path = Path(spec.get("path") or DEFAULT_CALIBRATION["path"])
-        if not path.is_file():
-            raise ConfigError(f"calibration.path={str(path)!r} does not exist: expected a JSONL file with a "
-                              f"'{field}' field per line")
-        from pipeline.prompts import iter_jsonl
-
-        texts = []
-        for lineno, row in iter_jsonl(path):
-            if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                raise ConfigError(f"{path}:{lineno}: field '{field}': expected a string")
-            texts.append(row[field])
-    if not texts:
-        raise ConfigError(f"calibration source {spec} holds no texts")
+    """Calibration texts (``calibration_texts``) tokenized to at most seq_len tokens."""
+    texts = calibration_texts(spec)
     out = []
     for text in texts[:samples]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:seq_len]
@@ -113,8 +87,6 @@ class GPTQModelSettings:
     dtype: str | None = None
     calibration: dict = field(default_factory=dict)
 
-    CALIBRATION_KEYS = ("path", "dataset", "config", "split", "field", "samples", "seq_len")
-
     def __post_init__(self) -> None:
         from pipeline.settings import one_of, positive_int, require
 
@@ -125,7 +97,7 @@ class GPTQModelSettings:
         if self.dtype is not None:
             one_of("variant.quantize.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         for k, v in (self.calibration or {}).items():
-            one_of("variant.quantize.calibration", k, self.CALIBRATION_KEYS)
+            one_of("variant.quantize.calibration", k, CALIBRATION_KEYS)
             if k in ("samples", "seq_len"):
                 positive_int(f"variant.quantize.calibration.{k}", v)
 
@@ -158,10 +130,7 @@ class GPTQModelQuantizer(Quantizer):
 
     def key(self) -> dict:
         s = self.settings()
-        calib = s["calibration"]
-        if calib.get("path") and Path(calib["path"]).is_file():
-            calib = {**calib, "sha": stable_hash(Path(calib["path"]).read_text(encoding="utf-8"))}
-        return {**s, "calibration": calib, "gptqmodel": _version("gptqmodel")}
+        return {**s, "calibration": calibration_key(s["calibration"]), "gptqmodel": _version("gptqmodel")}
 
     def build(self, tmp: Path) -> dict:
         if _version("gptqmodel") is None:

@@ -120,6 +120,38 @@ def _pareto_plot(plt, summary: dict, ok: dict, out_dir: Path, colors: dict[str, 
     _save(fig, out_dir / "pareto.png")
 
 
+def _bits_plot(plt, summary: dict, ok: dict, out_dir: Path, colors: dict[str, str]) -> bool:
+    """Mean KLD (95 % interval) against stored bits per weight, one point per weight format (KV-cache variants
+    share their weights' bits and are left out); a type's plain and importance-matrix files joined by a line."""
+    points = {n: (v["artifact"]["bits_per_weight"], v["drift"]["kld_mean"]) for n, v in ok.items()
+              if n != "original" and "+" not in n and (v.get("artifact") or {}).get("bits_per_weight")
+              and v["drift"]["kld_mean"] is not None}
+    if len(points) < 2:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for e in summary.get("imatrix_effects") or []:
+        if e["plain"] in points and e["imatrix"] in points:
+            (x0, y0), (x1, y1) = points[e["plain"]], points[e["imatrix"]]
+            ax.plot([x0, x1], [max(y0, 1e-7), max(y1, 1e-7)], color="grey", lw=1, ls="--", alpha=0.7)
+    for n, (x, y) in points.items():
+        y = max(y, 1e-7)
+        iv = (ok[n].get("intervals") or {}).get("kld_mean")
+        if iv:
+            ax.errorbar([x], [y], yerr=[[max(y - max(iv["low"], 1e-7), 0)], [max(iv["high"] - y, 0)]], fmt="none",
+                        ecolor=colors[n], alpha=0.6, elinewidth=1, capsize=2)
+        imat = bool((ok[n].get("artifact") or {}).get("imatrix"))
+        ax.scatter([x], [y], s=40, marker="D" if imat else "o", color=colors[n], label=n)
+        ax.annotate(n, (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("stored bits per weight (tensor bytes x 8 / weights)")
+    ax.set_ylabel("mean KLD vs original, nats (log; lower is better)")
+    ax.set_title("Drift vs bits per weight (diamonds: importance matrix; dashed: the same type plain and\n"
+                 "with an importance matrix; bars: 95% CI)", fontsize=10)
+    ax.grid(alpha=0.3)
+    _save(fig, out_dir / "kld_vs_bits.png")
+    return True
+
+
 def _recall_plot(plt, recall: dict, out_dir: Path, colors: dict[str, str]) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for n, r in recall.items():
@@ -156,6 +188,8 @@ def make_plots(summary: dict, out_dir: Path, history: list[dict] | None = None) 
     colors = variant_colors(summary, history)
     _pareto_plot(plt, summary, ok, out_dir, colors)
     plots["pareto"] = "pareto.png"
+    if _bits_plot(plt, summary, ok, out_dir, colors):
+        plots["kld_vs_bits"] = "kld_vs_bits.png"
     drifting = {n: v["drift_detail"] for n, v in ok.items() if n != "original"}
     _kld_lines(plt, [("KLD by output position",
                       {n: [(int(k.split("-")[0]), b["mean"]) for k, b in d["kld_by_position"].items()]

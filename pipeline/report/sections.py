@@ -422,6 +422,49 @@ def _deployment_section(ok: dict) -> tuple | None:
         "earlier replies), `always`, `never`."])
 
 
+def _bits_section(summary: dict, ok: dict) -> tuple | None:
+    """Bits per weight for every weight format, the 32-wide fallbacks in K/IQ files, and per GGUF type the
+    importance matrix's effect on mean KLD with its interval."""
+    rows = []
+    for n, v in ok.items():
+        a = v.get("artifact") or {}
+        if a.get("bits_per_weight") is None or "+" in n:
+            continue
+        fb = a.get("fallback_tensors") or {}
+        im = a.get("imatrix") or {}
+        rows.append([n, a.get("gguf_type") or a.get("format") or "", _fmt(a["bits_per_weight"], ".2f"),
+                     _ci((v.get("intervals") or {}).get("kld_mean"), ".4f"),
+                     ", ".join(f"{t}×{c}" for t, c in fb.items()) or "–",
+                     f"{im.get('chunks')} chunks × {im.get('ctx')} tokens" if im else "–"])
+    if not rows:
+        return None
+    blocks: list = [(["variant", "type", "bits/weight", "mean KLD [95 % CI]", "fallback tensors", "importance matrix"],
+                     rows),
+                    "Bits per weight: the artifact's stored tensor bytes × 8 over its weights (GGUF: the file's "
+                    "tensors, scales and fallback types included; safetensors: packed weights, zeros, scales and "
+                    "the unquantized embeddings and norms over the original's parameter count). KV-cache variants "
+                    "share their weights' figure."]
+    warn = [f"`{n}`: {sum(a['fallback_tensors'].values())} tensors are not {a.get('gguf_type')} but "
+            + ", ".join(f"{t} ({c})" for t, c in a["fallback_tensors"].items())
+            + ": their rows are not a multiple of llama.cpp's 256-wide super-block, so the file is mostly another "
+              "type than its name, and drift need not follow the type names"
+            for n, v in ok.items() if "+" not in n and (a := v.get("artifact") or {}).get("fallback_tensors")]
+    if warn:
+        blocks += ["**Warning: K/IQ types that fell back on this model:**", warn]
+    effects = summary.get("imatrix_effects") or []
+    if effects:
+        blocks += ["The importance matrix, per type (mean KLD with minus without, paired over the same reference "
+                   "conversations: 95 % bootstrap interval and sign-flip test; negative is better):",
+                   (["type", "plain", "with imatrix", "mean KLD plain", "mean KLD imatrix", "Δ [95 % CI]",
+                     "relative", "p", "significant"],
+                    [[e["type"], e["plain"], e["imatrix"], _fmt(e["kld_plain"], ".4f"), _fmt(e["kld_imatrix"], ".4f"),
+                      f"{e['delta']:+.4f} [{e['low']:+.4f}, {e['high']:+.4f}]", _fmt(e.get("relative"), "+.1%"),
+                      _fmt(e.get("p_value"), ".3f"),
+                      ("yes: lower with the importance matrix" if e["high"] < 0 else "yes: higher with it")
+                      if e["significant"] else "no (inside this run's resolution)"] for e in effects])]
+    return ("bits", "Bits per weight and the importance matrix", blocks)
+
+
 def _artifact_section(ok: dict) -> tuple:
     rows = []
     for n, v in ok.items():
@@ -489,9 +532,9 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
     sections = [_decision_section(summary), ("variants", "Variants", variants_blocks)]
     sections += [s for s in (_power_section(ok), _recall_section(ok), _capacity_section(summary, ok)) if s]
     sections += _drift_sections(ok)
-    sections += [s for s in (_llama_stats_section(ok),) if s]
+    sections += [s for s in (_llama_stats_section(ok), _bits_section(summary, ok)) if s]
     where = {"pareto": "decision", "kld_by_position": "by-position", "kld_by_turn": "by-turn",
-             "recall_by_depth": "recall"}
+             "recall_by_depth": "recall", "kld_vs_bits": "bits"}
     for name in plots:      # each plot goes into its section (a plot without one gets its own)
         target = next((sec for sec in sections if sec[0] == where.get(name)), None)
         if target is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from pipeline.aggregate import SCHEMA_VERSION, capacity_plan, variant_summary
+from pipeline.aggregate import SCHEMA_VERSION, capacity_plan, imatrix_effects, variant_summary
 from pipeline.catalogue import validate_summary
 from pipeline.config import Config
 from pipeline.decision import decide
@@ -50,6 +50,7 @@ def build_summary(cfg: Config) -> dict:
         "variants": variants,
         "recommendation": decide(variants, cfg.decision),
         "speed_noise": noise_floor(speed_run, cfg.decision.alpha),
+        "imatrix_effects": imatrix_effects(variants, cfg.seed),
         # per suite: the original's pass rate and whether flips carry signal there (from the first evaluated variant:
         # every variant is checked against the same reference replies)
         "suites": {suite: {k: p.get(k) for k in ("conversations", "checks", "reference_pass_rate",

@@ -1,0 +1,52 @@
+"""Calibration text for every quantizer that needs one (GPTQ/AWQ through GPTQModel, llama.cpp's importance
+matrix): business prose kept apart from every scored evaluation turn (prompts/calibration.jsonl), or a
+`datasets` source where the network allows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.errors import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CALIBRATION = {"path": str(PROJECT_ROOT / "prompts" / "calibration.jsonl"), "field": "text",
+                       "samples": 64, "seq_len": 256}
+CALIBRATION_KEYS = ("path", "dataset", "config", "split", "field", "samples", "seq_len")
+
+
+def calibration_texts(spec: dict) -> list[str]:
+    """Every text of the calibration source ``spec`` ({path | dataset, config, split, field}), in order."""
+    field = spec.get("field", "text")
+    if spec.get("dataset"):
+        from datasets import load_dataset
+
+        try:
+            ds = load_dataset(spec["dataset"], spec.get("config"), split=spec.get("split", "train"))
+        except Exception as exc:
+            raise ConfigError(f"calibration.dataset={spec['dataset']!r} could not be loaded ({exc}); offline, "
+                              "point calibration.path at a local JSONL file") from None
+        texts = [r[field] for r in ds if isinstance(r.get(field), str) and r[field].strip()]
+    else:
+        path = Path(spec.get("path") or DEFAULT_CALIBRATION["path"])
+        if not path.is_file():
+            raise ConfigError(f"calibration.path={str(path)!r} does not exist: expected a JSONL file with a "
+                              f"'{field}' field per line")
+        from pipeline.prompts import iter_jsonl
+
+        texts = []
+        for lineno, row in iter_jsonl(path):
+            if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                raise ConfigError(f"{path}:{lineno}: field '{field}': expected a string")
+            texts.append(row[field])
+    if not texts:
+        raise ConfigError(f"calibration source {spec} holds no texts")
+    return texts
+
+
+def calibration_key(spec: dict) -> dict:
+    """``spec`` plus the content hash of a local file, so an edited calibration text rebuilds what used it."""
+    from pipeline.store import stable_hash
+
+    if spec.get("path") and Path(spec["path"]).is_file():
+        return {**spec, "sha": stable_hash(Path(spec["path"]).read_text(encoding="utf-8"))}
+    return dict(spec)
