@@ -208,29 +208,40 @@ def capacity_plan(v: dict, facts: dict, cap) -> dict:
     """Concurrent sequences of cap.context_tokens that fit each budget, for this model and (with params_b) for
     a published model of that size: floor((budget x (1 - headroom) - weights - overhead) / (KV/token x context)).
 
-    weights: the artifact's bytes; overhead: the probe's peak RSS minus weights and the KV it held (the runtime's
-    own memory: libraries, buffers, activations), never below zero. KV per token: the formula with the variant's
-    cache type. For params_b: weights scale by the artifact's bytes per parameter, KV by the given geometry."""
+    weights: the artifact's bytes; overhead: the probe's peak memory minus weights and the KV it held (the
+    runtime's own memory: libraries, buffers, activations, the CUDA context), never below zero. The peak is the
+    device's where the variant ran on a GPU (``device_memory``: NVML / torch), else the host's RSS; on a GPU the
+    device's own memory is planned for too. KV per token: the formula with the variant's cache type. For
+    params_b: weights scale by the artifact's bytes per parameter, KV by the given geometry."""
     mem = v["memory"]
     weights = float(mem["artifact_bytes"])
     kv_tok = mem["kv_bytes_per_token"]
     probe_kv = kv_tok * ((v["speed"].get("prompt_tokens") or 0) + (v["speed"].get("decode_tokens") or 0))
-    overhead = max(0.0, (mem["peak_rss_mb"] or 0.0) * 2**20 - weights - probe_kv)
+    device = v.get("device_memory") or {}
+    on_device = device.get("peak_mb") is not None
+    peak_mb = device["peak_mb"] if on_device else (mem["peak_rss_mb"] or 0.0)
+    overhead = max(0.0, peak_mb * 2**20 - weights - probe_kv)
     element = kv_tok / (2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"])
 
     def fits(budget_gb: float, w: float, per_tok: float) -> int:
         free = budget_gb * 1e9 * (1 - cap.headroom) - w - overhead
         return max(0, int(free // (per_tok * cap.context_tokens)))
 
+    budgets = list(cap.memory_budget_gb)
+    own = (device.get("device_total_mb") or 0) * 2**20 / 1e9 if on_device else 0
+    if own and round(own, 1) not in [round(float(b), 1) for b in budgets]:
+        budgets.append(round(own, 1))                 # the device this ran on
     plan = {"context_tokens": cap.context_tokens, "headroom": cap.headroom, "weights_bytes": weights,
             "overhead_bytes": overhead, "kv_bytes_per_token": kv_tok,
-            "max_sequences": {str(b): fits(b, weights, kv_tok) for b in cap.memory_budget_gb}}
+            "memory_basis": f"device ({device.get('source')})" if on_device else "host RSS",
+            "device_budget_gb": round(own, 1) if own else None,
+            "max_sequences": {str(b): fits(b, weights, kv_tok) for b in budgets}}
     if cap.params_b and facts.get("params"):
         w_big = weights / facts["params"] * cap.params_b * 1e9
         kv_big = 2 * cap.layers * cap.kv_heads * cap.head_dim * element
         plan["scaled"] = {"params_b": cap.params_b, "layers": cap.layers, "kv_heads": cap.kv_heads,
                           "head_dim": cap.head_dim, "weights_bytes": w_big, "kv_bytes_per_token": kv_big,
-                          "max_sequences": {str(b): fits(b, w_big, kv_big) for b in cap.memory_budget_gb}}
+                          "max_sequences": {str(b): fits(b, w_big, kv_big) for b in budgets}}
     return plan
 
 
@@ -310,6 +321,10 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         "speed": {**section_values("speed", sources),
                   **{k: speed.get(k) for k in ("prompt_tokens", "decode_tokens", "repeats", "cpu_noise", "trials",
                                                "noisy_trials", "load_s")}},
+        # where the variant ran on a GPU: its device memory, read where the work ran (host RSS stays in memory)
+        "device_memory": ({"peak_mb": speed.get("device_peak_mb"), "device": dm.get("device"),
+                           "device_total_mb": dm.get("device_total_mb"), "source": dm.get("source")}
+                          if (dm := timing.get("device_memory")) else None),
         "memory": {
             **section_values("memory", sources),
             "kv_reported_source": (kv or {}).get("source") if not (kv or {}).get("allocated_bytes")

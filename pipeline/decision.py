@@ -10,7 +10,15 @@ from pipeline.config import DecisionConfig
 OBJECTIVES = {"decode_speed": "decode_tokens_per_s", "memory": "peak_rss_mb", "size": "artifact_bytes"}
 
 
+def peak_memory_mb(v: dict) -> float | None:
+    """The memory a variant needs where it runs: its device peak on a GPU, else the host's peak RSS."""
+    device = (v.get("device_memory") or {}).get("peak_mb")
+    return device if device is not None else v["memory"]["peak_rss_mb"]
+
+
 def objective_value(v: dict, objective: str) -> float | None:
+    if objective == "memory":
+        return peak_memory_mb(v)
     m = BY_NAME[OBJECTIVES[objective]]
     return v[m.section][m.name]
 
@@ -123,7 +131,7 @@ def first_failed_constraint(v: dict, original: dict | None, d: DecisionConfig) -
 
 def pareto_point(v: dict) -> tuple[float, float, float] | None:
     """(drift, -decode tokens/s, memory): all lower-is-better, for the Pareto front."""
-    k, tps, mem = v["drift"]["kld_mean"], v["speed"]["decode_tokens_per_s"], v["memory"]["peak_rss_mb"]
+    k, tps, mem = v["drift"]["kld_mean"], v["speed"]["decode_tokens_per_s"], peak_memory_mb(v)
     if k is None or tps is None or mem is None:
         return None
     return (k, -tps, mem)
@@ -162,6 +170,8 @@ def speed_tie(a: dict, b: dict, objective: str, d: DecisionConfig) -> dict | Non
     from pipeline.stats import paired_ratio
 
     metric = OBJECTIVES[objective]
+    if objective == "memory" and (a.get("device_memory") or {}).get("peak_mb") is not None:
+        metric = "device_peak_mb"        # trials record both; on a GPU the device's is the one that binds
     ta = ((a.get("speed_trials") or {}).get("values") or {}).get(metric)
     tb = ((b.get("speed_trials") or {}).get("values") or {}).get(metric)
     if not ta or not tb:

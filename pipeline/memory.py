@@ -16,3 +16,59 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def nvml_process_mb(pid: int) -> dict | None:
+    """Device memory NVML reports for process ``pid`` (every CUDA user in it: torch, llama.cpp, the CUDA
+    context), summed over the devices it uses, and the largest of those devices' totals; None without NVML (the
+    ``nvidia-ml-py`` package and a driver) or when the process holds no device memory."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:        # no driver: NVMLError_LibraryNotFound / DriverNotLoaded
+        return None
+    try:
+        used, total = 0, 0
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mine = [p for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == pid]
+            if mine:
+                used += sum(int(p.usedGpuMemory or 0) for p in mine)
+                total = max(total, int(pynvml.nvmlDeviceGetMemoryInfo(handle).total))
+        return {"used_mb": used / 2**20, "device_total_mb": total / 2**20} if used else None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def device_memory(device: str | None) -> dict | None:
+    """This process's device memory on a CUDA device, read where the work ran: NVML's per-process figure (llama.cpp,
+    servers, the CUDA context: what the device must hold) and torch's caching-allocator peaks (in-process
+    transformers work). ``peak_mb``: the larger of NVML's reading and torch's reserved peak. None off CUDA."""
+    import os
+
+    if not str(device or "").startswith("cuda"):
+        return None
+    out: dict = {"device": str(device)}
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            idx = torch.device(str(device)).index or 0
+            out["torch_allocated_peak_mb"] = torch.cuda.max_memory_allocated(idx) / 2**20
+            out["torch_reserved_peak_mb"] = torch.cuda.max_memory_reserved(idx) / 2**20
+            out["device_total_mb"] = torch.cuda.get_device_properties(idx).total_memory / 2**20
+    except Exception:         # a torch without CUDA
+        pass
+    nvml = nvml_process_mb(os.getpid())
+    if nvml:
+        out["nvml_process_mb"] = nvml["used_mb"]
+        out["device_total_mb"] = out.get("device_total_mb") or nvml["device_total_mb"]
+    readings = [x for x in (out.get("nvml_process_mb"), out.get("torch_reserved_peak_mb")) if x]
+    out["peak_mb"] = max(readings) if readings else None
+    out["source"] = " + ".join(s for s, k in (("NVML per-process", "nvml_process_mb"),
+                                                ("torch max_memory_reserved", "torch_reserved_peak_mb")) if k in out) \
+        or "none (no NVML and no CUDA torch in this process)"
+    return out

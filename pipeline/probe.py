@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline.memory import peak_rss_mb
+from pipeline.memory import device_memory, peak_rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ def _child(spec_path: str, out_path: str) -> None:
         if gen.decode_times_s:
             decode_rates.append(len(gen.decode_times_s) / sum(gen.decode_times_s))
     kv = rt.kv_cache_bytes()
+    device = device_memory(rt.info.get("device") or rcfg.device)     # None off CUDA
     import numpy as np
 
     result = {
@@ -141,6 +142,8 @@ def _child(spec_path: str, out_path: str) -> None:
         "repeats": spec["repeats"],
         "load_s": load_s,
         "peak_rss_mb": peak_rss_mb(),
+        "device_peak_mb": (device or {}).get("peak_mb"),
+        "device_memory": device,
         "kv_reported": kv,
         "runtime_info": rt.info,
     }

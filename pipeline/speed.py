@@ -23,7 +23,8 @@ from pipeline.store import Journal, read_json, run_stage, stable_hash, write_jso
 log = logging.getLogger(__name__)
 
 # the trial figures that get a median and an interval (catalogue metrics of the speed and memory sections)
-TRIAL_FIGURES = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s", "peak_rss_mb")
+TRIAL_FIGURES = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s", "peak_rss_mb",
+                 "device_peak_mb")
 AA_SUFFIX = "#A/A"
 
 
@@ -119,6 +120,7 @@ def trial_figures(trials: list[dict] | None) -> dict:
         "prompt_tokens": first.get("prompt_tokens"), "decode_tokens": first.get("decode_tokens"),
         "repeats": first.get("repeats"), "kv_reported": first.get("kv_reported"),
         "runtime_info": first.get("runtime_info"),
+        "device_memory": first.get("device_memory"),     # how the device peak was read (None off CUDA)
     }
 
 

@@ -83,6 +83,9 @@ def speed_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     head = (["variant"] + [metric_head(m, bool(m.interval)) for m in speed]
             + ["bytes/token MiB", "BW share", "decode ceiling tok/s"]
             + [metric_head(m, bool(m.interval)) for m in memory] + ["KV cache", metric_head(kv)])
+    on_gpu = any((v.get("device_memory") or {}).get("peak_mb") is not None for v in summary["variants"].values())
+    if on_gpu:
+        head.append("device peak MB [95 % CI]")
     rows = []
     for name, v in summary["variants"].items():
         if v["status"] != "ok":
@@ -94,7 +97,7 @@ def speed_table(summary: dict) -> tuple[list[str], list[list[str]]]:
             _fmt(rf.get("ceiling_tokens_per_s"), ".0f")] + [metric_cell(v, x) for x in memory] + [
             str(m.get("kv_cache") or ""),
             metric_cell(v, kv) + ("" if not m["kv_gap_flagged"] else " ⚠"),
-        ])
+        ] + ([_ci((v.get("intervals") or {}).get("device_peak_mb"), ".0f")] if on_gpu else []))
     return head, rows
 
 
@@ -166,6 +169,10 @@ def _capacity_section(summary: dict, ok: dict) -> tuple | None:
         return None
     cap = summary["capacity"]
     budgets = [str(b) for b in cap["memory_budget_gb"]]
+    device_budget = next((v["capacity"]["device_budget_gb"] for v in ok.values()
+                          if (v.get("capacity") or {}).get("device_budget_gb")), None)
+    if device_budget is not None and str(device_budget) not in budgets:
+        budgets.append(str(device_budget))
     kv_rows, cap_rows, big_rows = [], [], []
     for n, v in ok.items():
         m = v["memory"]
@@ -175,12 +182,13 @@ def _capacity_section(summary: dict, ok: dict) -> tuple | None:
                         str(m.get("kv_reported_source") or "")])
         plan = v.get("capacity") or {}
         cap_rows.append([n, _fmt(plan.get("weights_bytes", 0) / 2**20, ",.0f"),
-                         _fmt(plan.get("overhead_bytes", 0) / 2**20, ",.0f")]
-                        + [f"{plan['max_sequences'][b]:,}" for b in budgets])
+                         _fmt(plan.get("overhead_bytes", 0) / 2**20, ",.0f"), str(plan.get("memory_basis") or "")]
+                        + [f"{plan['max_sequences'][b]:,}" if b in plan.get("max_sequences", {}) else "–"
+                           for b in budgets])
         if plan.get("scaled"):
             sc = plan["scaled"]
             big_rows.append([n, _fmt(sc["weights_bytes"] / 1e9, ",.1f"), _fmt(sc["kv_bytes_per_token"] / 1024, ",.0f")]
-                            + [f"{sc['max_sequences'][b]:,}" for b in budgets])
+                            + [f"{sc['max_sequences'][b]:,}" if b in sc["max_sequences"] else "–" for b in budgets])
     blocks = [
         "KV bytes per token: the formula 2 × layers × KV heads × head dim × bytes per element (q8_0: 34/32, with "
         "its block scale; hf int8: 1 + 2/head_dim, with the per-token fp16 scale and zero point of V) against what "
@@ -189,9 +197,11 @@ def _capacity_section(summary: dict, ok: dict) -> tuple | None:
         (["variant", "KV cache", "formula B/token", "reported B/token", "gap", "reported by"], kv_rows),
         f"Concurrent sequences of {cap['context_tokens']:,} tokens that fit each memory budget with "
         f"{cap['headroom']:.0%} headroom: (budget × (1 − headroom) − weights − runtime overhead) ÷ (KV bytes per "
-        "token × context). Overhead is measured: the probe's peak RSS minus weights and the KV it held "
-        "(on a CPU this is mostly the runtime's libraries).",
-        (["variant", "weights MiB", "overhead MiB"] + [f"{b} GB" for b in budgets], cap_rows),
+        "token × context). Overhead is measured: the probe's peak memory minus weights and the KV it held — the "
+        "device's (NVML per process, torch's reserved peak) where the variant ran on a GPU, whose own memory is then "
+        "a budget too, else the host's RSS (on a CPU mostly the runtime's libraries).",
+        (["variant", "weights MiB", "overhead MiB", "measured on"]
+         + [f"{b} GB" + (" (this device)" if b == str(device_budget) else "") for b in budgets], cap_rows),
     ]
     if big_rows:
         sc = next(v["capacity"]["scaled"] for v in ok.values() if (v.get("capacity") or {}).get("scaled"))

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells")
+_OFFLOAD_LINE = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _CACHE_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0", "f32": "GGML_TYPE_F32"}
 # Bytes per cached element: block types count their per-block fp16 scale (q8_0: 32 int8 + 2 bytes).
 _CACHE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -158,6 +159,8 @@ class LlamaCppRuntime(FullLogitsRuntime):
             "cache_type_v": options.get("cache_type_v", "f16"),
             "kernel": f"ggml-{'cuda' if use_gpu else 'cpu'}",
             "file": path.name,
+            # llama.cpp's own count from its load log ("offloaded 31/31 layers to GPU"; 0/N on the CPU, None unlogged)
+            "offloaded_layers": (m.group(1) + "/" + m.group(2)) if (m := _OFFLOAD_LINE.search(self._load_log)) else None,
         }
 
     def _last_logits(self) -> np.ndarray:
