@@ -100,3 +100,23 @@ def test_the_turn_plot_shows_every_multi_turn_suite_and_only_those(tmp_path, fig
     assert support == {"q8": [1, 2, 3], "q4": [1, 2]}
     single = make_plots(three_variants({"q8": _turns(0.01, long_output=1, multi_turn=1)}), tmp_path)
     assert "kld_by_turn" not in single
+
+
+def test_drift_against_bits_per_weight_joins_a_types_plain_and_importance_matrix_files(tmp_path, figures):
+    s = three_variants()
+    s["variants"]["q8"]["artifact"]["bits_per_weight"] = 8.5
+    assert "kld_vs_bits" not in make_plots(s, tmp_path), "one format is no comparison"
+    for n, bits in (("original", 32.0), ("q4", 4.9)):
+        s["variants"][n]["artifact"]["bits_per_weight"] = bits
+    s["variants"]["q4"]["artifact"]["imatrix"] = {"chunks": 24}
+    figures.clear()
+    assert "kld_vs_bits" in make_plots(s, tmp_path)
+    fig = figures["kld_vs_bits.png"]
+    points = {c.get_label() for ax in fig.axes for c in ax.collections if not c.get_label().startswith("_")}
+    assert points == {"q8", "q4"}, "the original (0 KLD against itself) is left out"
+    assert not [line for ax in fig.axes for line in ax.get_lines() if line.get_linestyle() == "--"]
+    s["imatrix_effects"] = [{"type": "Q4_K_M", "plain": "q8", "imatrix": "q4"}]
+    figures.clear()
+    make_plots(s, tmp_path)
+    dashed = [line for ax in figures["kld_vs_bits.png"].axes for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert len(dashed) == 1 and list(dashed[0].get_xdata()) == [8.5, 4.9]

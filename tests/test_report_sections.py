@@ -218,3 +218,20 @@ def test_markdown_and_html_render_the_by_turn_tables(tmp_path):
     assert "<td>0.1000</td>" in section
     md = render_markdown(s, {})
     assert "## Multi-turn drift by turn (mean KLD)" in md and "| q4 | 0.0500 | 0.1000 |" in md
+
+
+def test_the_bits_section_flags_fallback_tensors_and_states_the_importance_matrix_effect():
+    s = three_variants()
+    s["variants"]["q8"]["artifact"].update(bits_per_weight=6.17, gguf_type="Q4_K_M",
+                                           fallback_tensors={"Q5_0": 166, "Q8_0": 15})
+    s["variants"]["q4"]["artifact"].update(bits_per_weight=6.17, gguf_type="Q4_K_M", imatrix={"chunks": 24, "ctx": 512})
+    s["imatrix_effects"] = [{"type": "Q4_K_M", "plain": "q8", "imatrix": "q4", "kld_plain": 0.029, "kld_imatrix": 0.025,
+                             "delta": -0.004, "low": -0.006, "high": -0.002, "relative": -0.138, "p_value": 0.001,
+                             "significant": True}]
+    md = render_markdown(s, {})
+    assert "## Bits per weight and the importance matrix" in md
+    assert "`q8`: 181 tensors are not Q4_K_M but Q5_0 (166), Q8_0 (15)" in md
+    assert "| q4 | Q4_K_M | 6.17 |" in md and "24 chunks × 512 tokens" in md
+    assert "-0.0040 [-0.0060, -0.0020]" in md and "yes: lower with the importance matrix" in md
+    s["imatrix_effects"][0].update(low=-0.006, high=0.001, significant=False)
+    assert "no (inside this run's resolution)" in render_markdown(s, {})

@@ -91,6 +91,26 @@ def _kld_lines(plt, panels: list[tuple[str, dict[str, list[tuple[int, float]]]]]
     _save(fig, path)
 
 
+KLD_FLOOR = 1e-7      # a log axis cannot show 0 (the original against itself)
+
+
+def _kld_error_bar(ax, x: float, y: float, iv: dict | None, color: str, alpha: float) -> None:
+    """The 95 % interval of a mean KLD drawn at (x, y) on a log axis."""
+    if iv:
+        ax.errorbar([x], [y], yerr=[[max(y - max(iv["low"], KLD_FLOOR), 0)], [max(iv["high"] - y, 0)]], fmt="none",
+                    ecolor=color, alpha=alpha, elinewidth=1, capsize=2)
+
+
+def _finish_kld_axes(ax, fig, xlabel: str, title: str, path: Path) -> None:
+    """Mean KLD on a log y axis against ``xlabel``; saved to ``path``."""
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("mean KLD vs original, nats (log; lower is better)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    _save(fig, path)
+
+
 def _pareto_plot(plt, summary: dict, ok: dict, out_dir: Path, colors: dict[str, str]) -> None:
     front = set(summary["recommendation"].get("pareto_front") or [])
     chosen = summary["recommendation"].get("variant")
@@ -99,25 +119,19 @@ def _pareto_plot(plt, summary: dict, ok: dict, out_dir: Path, colors: dict[str, 
         x, y = v["speed"]["decode_tokens_per_s"], v["drift"]["kld_mean"]
         if x is None or y is None:
             continue
-        y = max(y, 1e-7)
+        y = max(y, KLD_FLOOR)
         size = max(20.0, (v["memory"]["peak_rss_mb"] or 100) / 4)
-        iv = (v.get("intervals") or {}).get("kld_mean")
-        if iv and n != "original":
-            ax.errorbar([x], [y], yerr=[[max(y - max(iv["low"], 1e-7), 0)], [max(iv["high"] - y, 0)]], fmt="none",
-                        ecolor=colors[n], alpha=0.5, elinewidth=1, capsize=2)
+        if n != "original":
+            _kld_error_bar(ax, x, y, (v.get("intervals") or {}).get("kld_mean"), colors[n], 0.5)
         filled = n in front or n == chosen       # the variant's colour: filled on the front, hollow off it
         ax.scatter([x], [y], s=size, facecolors=colors[n] if filled else "none",
                    edgecolors="k" if n == chosen else colors[n], linewidths=2 if n == chosen else 1.5,
                    alpha=0.8 if filled else 0.6, label=n)
         ax.annotate(n + (" (ship)" if n == chosen else ""), (x, y), fontsize=8, xytext=(4, 4),
                     textcoords="offset points")
-    ax.set_yscale("log")
-    ax.set_xlabel("decode tokens/s (higher is better)")
-    ax.set_ylabel("mean KLD vs original, nats (log; lower is better)")
-    ax.set_title("Drift vs decode speed (filled: Pareto front; hollow: dominated; black edge: recommended;\n"
-                 "marker size: peak RSS; bars: 95% CI)", fontsize=10)
-    ax.grid(alpha=0.3)
-    _save(fig, out_dir / "pareto.png")
+    _finish_kld_axes(ax, fig, "decode tokens/s (higher is better)",
+                     "Drift vs decode speed (filled: Pareto front; hollow: dominated; black edge: recommended;\n"
+                     "marker size: peak RSS; bars: 95% CI)", out_dir / "pareto.png")
 
 
 def _bits_plot(plt, summary: dict, ok: dict, out_dir: Path, colors: dict[str, str]) -> bool:
@@ -132,23 +146,16 @@ def _bits_plot(plt, summary: dict, ok: dict, out_dir: Path, colors: dict[str, st
     for e in summary.get("imatrix_effects") or []:
         if e["plain"] in points and e["imatrix"] in points:
             (x0, y0), (x1, y1) = points[e["plain"]], points[e["imatrix"]]
-            ax.plot([x0, x1], [max(y0, 1e-7), max(y1, 1e-7)], color="grey", lw=1, ls="--", alpha=0.7)
+            ax.plot([x0, x1], [max(y0, KLD_FLOOR), max(y1, KLD_FLOOR)], color="grey", lw=1, ls="--", alpha=0.7)
     for n, (x, y) in points.items():
-        y = max(y, 1e-7)
-        iv = (ok[n].get("intervals") or {}).get("kld_mean")
-        if iv:
-            ax.errorbar([x], [y], yerr=[[max(y - max(iv["low"], 1e-7), 0)], [max(iv["high"] - y, 0)]], fmt="none",
-                        ecolor=colors[n], alpha=0.6, elinewidth=1, capsize=2)
+        y = max(y, KLD_FLOOR)
+        _kld_error_bar(ax, x, y, (ok[n].get("intervals") or {}).get("kld_mean"), colors[n], 0.6)
         imat = bool((ok[n].get("artifact") or {}).get("imatrix"))
         ax.scatter([x], [y], s=40, marker="D" if imat else "o", color=colors[n], label=n)
         ax.annotate(n, (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
-    ax.set_yscale("log")
-    ax.set_xlabel("stored bits per weight (tensor bytes x 8 / weights)")
-    ax.set_ylabel("mean KLD vs original, nats (log; lower is better)")
-    ax.set_title("Drift vs bits per weight (diamonds: importance matrix; dashed: the same type plain and\n"
-                 "with an importance matrix; bars: 95% CI)", fontsize=10)
-    ax.grid(alpha=0.3)
-    _save(fig, out_dir / "kld_vs_bits.png")
+    _finish_kld_axes(ax, fig, "stored bits per weight (tensor bytes x 8 / weights)",
+                     "Drift vs bits per weight (diamonds: importance matrix; dashed: the same type plain and\n"
+                     "with an importance matrix; bars: 95% CI)", out_dir / "kld_vs_bits.png")
     return True
 
 
