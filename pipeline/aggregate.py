@@ -335,6 +335,7 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         },
         "artifact": {"path": result["artifact"]["path"], "format": info_a.get("format"),
                      "bits_per_weight": result["artifact"].get("bits_per_weight"),
+                     "producer": info_a.get("producer"),
                      "gguf_type": info_a.get("gguf_type"), "tensor_types": info_a.get("tensor_types"),
                      "fallback_tensors": fallback_tensors(info_a.get("gguf_type") or "", info_a.get("tensor_types")),
                      "imatrix": info_a.get("imatrix"),

@@ -79,6 +79,10 @@ def test_gptq_and_awq_folders_load_with_plain_transformers_and_gptqmodel(quantiz
         qc = json.loads((art.path / "config.json").read_text())["quantization_config"]
         assert qc["quant_method"] == ("awq" if name.startswith("awq") else "gptq") and qc["group_size"] == 128
         assert art.info["group_size"] == 128 and art.info["quantize_wall_s"] > 0 and art.info["quantize_peak_rss_mb"] > 0
+        p = art.info["producer"]     # the report names who made it and how
+        assert p["tool"] == "GPTQModel" and p["version"] == "7.6.0"
+        assert p["recipe"].startswith(f"{'AWQ' if name.startswith('awq') else 'GPTQ'} W{8 if name == 'gptq_w8' else 4}, "
+                                      "g128, ") and "16×≤64 tokens of calibration.jsonl" in p["recipe"]
         hf = AutoModelForCausalLM.from_pretrained(str(art.path), dtype=torch.float32, device_map="cpu").eval()
         assert any(hasattr(m, "qweight") for m in hf.modules()), "transformers must load the real quantized layers"
         with torch.no_grad():

@@ -56,6 +56,8 @@ def test_the_importance_matrix_is_computed_once_shared_and_rebuilt_when_the_cali
     first = build("gguf_q4_k_m_imat")
     im = first.info["imatrix"]
     assert im["chunks"] >= 2 and im["ctx"] == 64 and Path(im["path"]).is_file()
+    assert first.info["producer"]["recipe"] == f"Q4_K_M, importance matrix over {im['chunks']}×64 tokens of " \
+                                              "calibration.jsonl"
     manifest = Path(im["path"]).parent / "manifest.json"
     built = json.loads(manifest.read_text())["created_unix"]
     other = build("gguf_iq4_xs")                         # a second type reuses the same matrix

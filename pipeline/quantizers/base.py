@@ -57,6 +57,11 @@ class Quantizer(abc.ABC):
     def build(self, tmp: Path) -> dict:
         """Write the artifact into ``tmp``; return facts for the manifest (must include 'artifact': file name)."""
 
+    def producer(self, manifest: dict) -> dict | None:
+        """Who made the artifact and how, for the report: {"tool", "version", "recipe"} from the stage's manifest
+        (its key holds the tool version the artifact was built with)."""
+        return None
+
     def needed_bytes(self) -> float:
         """Free disk space to ask for before building: the original checkpoint's size (every quantized format is
         smaller) plus 10 %."""
@@ -73,8 +78,9 @@ class Quantizer(abc.ABC):
         manifest = run_stage(f"quantize:{self.variant.base}", self.out_dir, key, self._checked_build,
                              force=self.cfg.force)
         path = self.out_dir / manifest["artifact"]
+        info = {k: v for k, v in manifest.items() if k not in ("key", "versions", "hardware")}
         return Artifact(variant=self.variant.name, path=path, bytes=dir_bytes(path), hash=manifest["key_hash"],
-                        info={k: v for k, v in manifest.items() if k not in ("key", "versions", "hardware")})
+                        info={**info, "producer": self.producer(manifest)})
 
 
 class Passthrough(Quantizer):

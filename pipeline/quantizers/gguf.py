@@ -246,6 +246,14 @@ class GGUFQuantizer(Quantizer):
             key["imatrix"] = {"calibration": calibration_key(im[0]), "chunks": im[1], "ctx": im[2]}
         return key
 
+    def producer(self, manifest: dict) -> dict:
+        key, im = manifest.get("key") or {}, manifest.get("imatrix")
+        recipe = self.gguf_type
+        if im:
+            source = Path(str(((key.get("imatrix") or {}).get("calibration") or {}).get("path") or "")).name
+            recipe += f", importance matrix over {im.get('chunks')}×{im.get('ctx')} tokens of {source or 'a dataset'}"
+        return {"tool": "llama.cpp (llama-cpp-python)", "version": key.get("llama_cpp"), "recipe": recipe}
+
     def build(self, tmp: Path) -> dict:
         f16 = convert_to_f16(self.cfg, self.original.checkpoint, self.original.hash, self.cfg.model.name)
         im = self._imatrix_spec()

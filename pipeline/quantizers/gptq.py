@@ -132,6 +132,15 @@ class GPTQModelQuantizer(Quantizer):
         s = self.settings()
         return {**s, "calibration": calibration_key(s["calibration"]), "gptqmodel": _version("gptqmodel")}
 
+    def producer(self, manifest: dict) -> dict:
+        s, key = manifest.get("quantize_settings") or self.settings(), manifest.get("key") or {}
+        calib = s["calibration"]
+        source = Path(calib["path"]).name if calib.get("path") else calib.get("dataset")
+        recipe = (f"{s['method'].upper()} W{s['bits']}, g{s['group_size']}, {'sym' if s['sym'] else 'asym'}"
+                  + (", act-order" if s.get("desc_act") else "") + f", {s['dtype']} compute, "
+                  f"{manifest.get('calibration_samples', calib.get('samples'))}×≤{calib.get('seq_len')} tokens of {source}")
+        return {"tool": "GPTQModel", "version": key.get("gptqmodel"), "recipe": recipe}
+
     def build(self, tmp: Path) -> dict:
         if _version("gptqmodel") is None:
             raise Skip("gptqmodel is not installed (pip install gptqmodel==7.6.0 optimum==2.3.0; make setup does)")

@@ -482,10 +482,12 @@ def _artifact_section(ok: dict) -> tuple:
         types = ", ".join(f"{k}×{c}" for k, c in (a.get("tensor_types") or {}).items())
         requested = a.get("gguf_type") or (f"{a['quantize_settings']['bits']}-bit, group {a['group_size']}"
                                            if a.get("quantize_settings") else "")
-        rows.append([n, a.get("format") or "", requested, types, v.get("kernel") or "",
+        p = a.get("producer") or {}
+        made_by = f"{p['tool']} {p.get('version') or ''}: {p['recipe']}" if p else "–"
+        rows.append([n, a.get("format") or "", requested, made_by, types, v.get("kernel") or "",
                      _fmt(a.get("quantize_wall_s"), ".1f"), _fmt(a.get("quantize_peak_rss_mb"), ".0f")])
-    blocks: list = [(["variant", "format", "requested type", "tensor types in file", "kernel", "quantize s",
-                      "quantize peak MB"], rows),
+    blocks: list = [(["variant", "format", "requested type", "produced by", "tensor types in file", "kernel",
+                      "quantize s", "quantize peak MB"], rows),
                     "K-quant names are recipes: on models whose row sizes are not multiples of 256, llama.cpp falls "
                     "back to other types, so the file's real tensor types are listed, and drift need not be "
                     "monotonic across K-quant names."]
