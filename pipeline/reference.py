@@ -295,6 +295,9 @@ def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteRef
     out_dir = cfg.model_dir / "reference" / cfg.run.name / f"{ref.suite}-exact_rows"
     key = {"reference": ref.hash, "exact_tail_mass": tau, "dtype": "float32"}
 
+    def rows_file(cid: str) -> Path:      # conversation ids are free text: the file is named by their hash
+        return journal_path(out_dir) / f"{stable_hash(cid)[:20]}.npy"
+
     def picked(cid: str) -> np.ndarray:
         return np.flatnonzero(np.exp(ref.scores[cid]["tail"].astype(np.float64)) > tau)
 
@@ -308,7 +311,7 @@ def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteRef
                 for tr in tqdm(todo, desc=f"reference {ref.suite} exact rows", unit="conv"):
                     idx = picked(tr["id"])
                     lp = hf.logprobs(tr["ids"], ref.scores[tr["id"]]["pos"][idx].tolist()).astype(np.float32)
-                    np.save(journal_path(out_dir) / f"{tr['id']}.npy", lp)
+                    np.save(rows_file(tr["id"]), lp)
                     done.add(tr["id"], {"rows": len(idx)})
             finally:
                 hf.close()
@@ -320,7 +323,7 @@ def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteRef
             total += len(ref.scores[tr["id"]]["pos"])
             if len(idx):
                 arrays[f"{tr['id']}|idx"] = idx.astype(np.int32)
-                arrays[f"{tr['id']}|lp"] = np.load(journal_path(out_dir) / f"{tr['id']}.npy")
+                arrays[f"{tr['id']}|lp"] = np.load(rows_file(tr["id"]))
                 kept += len(idx)
         with open(tmp / "rows.npz", "wb") as fh:
             np.savez_compressed(fh, **arrays)
