@@ -271,14 +271,20 @@ def build_reference(cfg: Config, original: Original, renderer: ChatRenderer, sui
 
     manifest = run_stage(f"reference:{suite}", out_dir, key, build, force=cfg.force)
     transcripts = read_jsonl(out_dir / "transcripts.jsonl")
-    npz = np.load(out_dir / "scores.npz")
-    scores: dict[str, dict] = {}
-    for name in npz.files:
-        cid, field_name = name.rsplit("|", 1)
-        scores.setdefault(cid, {})[field_name] = npz[name]
+    scores = _by_conversation(out_dir / "scores.npz")
     ref = SuiteReference(suite=suite, transcripts=transcripts, scores=scores, producer=manifest["producer"],
                          hash=manifest["key_hash"])
     return exact_rows(cfg, original, ref)
+
+
+def _by_conversation(path: Path) -> dict[str, dict[str, np.ndarray]]:
+    """A stage's npz of per-conversation arrays named "<conversation id>|<field>", as {id: {field: array}}."""
+    npz = np.load(path)
+    out: dict[str, dict] = {}
+    for name in npz.files:
+        cid, field_name = name.rsplit("|", 1)
+        out.setdefault(cid, {})[field_name] = npz[name]
+    return out
 
 
 def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteReference:
@@ -287,8 +293,8 @@ def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteRef
     teacher-forced pass computes the exact full-vocabulary figure instead. Measured on the default run's
     reference (8 conversations per suite, K=1024): 7 % of positions, and the mean KLD goes from 0.983-0.988 of
     the exact one to 0.995-0.997 (Q8_0, Q4_K_M, Q4_0), at 4 bytes x vocabulary per kept row (float16 would halve
-    that, but its 3 digits per log-prob read 1e-5 nats for a model against itself). A stage of its own beside the reference, so that changing the threshold
-    rescores but never regenerates a transcript."""
+    that, but its 3 digits per log-prob read 1e-5 nats for a model against itself). A stage of its own beside the
+    reference, so that changing the threshold rescores but never regenerates a transcript."""
     tau = cfg.reference.exact_tail_mass
     if tau is None or tau >= 1.0:
         return ref
@@ -330,11 +336,7 @@ def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteRef
         return {"rows": kept, "positions": total, "bytes": (tmp / "rows.npz").stat().st_size}
 
     manifest = run_stage(f"reference:{ref.suite}:exact_rows", out_dir, key, build, force=cfg.force)
-    npz = np.load(out_dir / "rows.npz")
-    rows: dict[str, dict] = {}
-    for name in npz.files:
-        cid, what = name.rsplit("|", 1)
-        rows.setdefault(cid, {})[what] = npz[name]
+    rows = _by_conversation(out_dir / "rows.npz")
     log.info("reference %s: exact rows at %d of %d positions (tail mass > %g), %.1f MB", ref.suite,
              manifest["rows"], manifest["positions"], tau, manifest["bytes"] / 1e6)
     return replace(ref, rows={cid: (r["idx"].astype(np.int64), r["lp"]) for cid, r in rows.items()},
