@@ -48,7 +48,7 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare report test bench clean-venv converter llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools
+.PHONY: setup compare report test bench calibration llmc-env print-llmc-python clean-venv converter llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools
 
 setup: $(VENV)/.installed
 
@@ -95,6 +95,22 @@ $(LLAMA_TOOLS)/.built:
 print-llama-tools:
 	@echo $(LLAMA_TOOLS)/bin
 
+# llm-compressor (the second AWQ producer, variant awq_w4_llmc) pins transformers and compressed-tensors versions the
+# main environment does not use: its own virtual environment, kept outside the project like the wheels (1-3 min,
+# once per machine). Only its quantizer's child process runs in it.
+LLMC_VERSION ?= 0.14.0.1
+LLMC_PINS ?= llmcompressor==$(LLMC_VERSION) transformers==5.17.0 compressed-tensors==0.19.0
+LLMC_VENV ?= $(HOME)/.cache/quantdrift/venvs/llmcompressor-$(LLMC_VERSION)-$(TORCH)
+llmc-env: $(LLMC_VENV)/.installed
+$(LLMC_VENV)/.installed:
+	rm -rf $(LLMC_VENV)
+	$(PYTHON) -m venv $(LLMC_VENV)
+	$(LLMC_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LLMC_VENV)/bin/python -m pip install -q $(TORCH_INSTALL) $(LLMC_PINS)
+	touch $@
+print-llmc-python:
+	@echo $(LLMC_VENV)/bin/python
+
 # llama.cpp's HF->GGUF converter and its gguf-py live only in the sdist of the installed release.
 converter: $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py
 $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py:
@@ -110,14 +126,18 @@ $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py:
 IMATRIX_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
   grep -qs '^ *imatrix: *true' conf/variant/$${v%%+*}.yaml && echo $$v; done)
 
-compare: setup $(if $(strip $(IMATRIX_VARIANTS)),llama-tools)
+# variants quantized by llm-compressor run it in its own environment (`make llmc-env`)
+LLMC_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
+  grep -qs '^quantizer: *llmcompressor' conf/variant/$${v%%+*}.yaml && echo $$v; done)
+
+compare: setup $(if $(strip $(IMATRIX_VARIANTS)),llama-tools) $(if $(strip $(LLMC_VARIANTS)),llmc-env)
 	$(VENV)/bin/quantdrift -m variant=$(VARIANTS) $(COMMON)
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 
 report: setup
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 
-test: setup browser llama-tools
+test: setup browser llama-tools llmc-env
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # Headless Chromium renders report.html in a test. Debian's package, installed when missing and we may (root);
@@ -144,6 +164,11 @@ print-suites:
 # The Hydra overrides MODEL turns into (scripts/nightly and the tests use this, so the rule lives in one place).
 print-model-args:
 	@echo $(MODEL_ARG)
+
+# Is a GPTQ/AWQ result limited by its recipe? Quantize again at 32/128/512 calibration texts and score each on the
+# run's reference (CALIBRATION_ARGS: e.g. calibration_sweep.variants=[gptq_w4]); `make report` then shows it.
+calibration: setup llmc-env
+	$(VENV)/bin/quantdrift command=calibration $(COMMON) $(CALIBRATION_ARGS)
 
 bench: setup llama-tools
 	$(VENV)/bin/quantdrift command=bench run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin $(COMMON)

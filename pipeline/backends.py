@@ -20,6 +20,8 @@ QUANTIZERS = {
     "none": Backend("pipeline.quantizers.base:Passthrough"),
     "gguf": Backend("pipeline.quantizers.gguf:GGUFQuantizer", ("gguf", "llama-cpp-python")),
     "gptqmodel": Backend("pipeline.quantizers.gptq:GPTQModelQuantizer", ("gptqmodel", "optimum")),
+    # runs in its own environment (`make llmc-env`); the main one only loads its artifacts (compressed-tensors)
+    "llmcompressor": Backend("pipeline.quantizers.llmc:LLMCompressorQuantizer", ("compressed-tensors",)),
 }
 
 RUNTIMES = {

@@ -6,6 +6,7 @@
     quantdrift regress [baseline=PATH] [overrides]   nightly gate: exit 0 ok, 1 regression, 2 the run failed
     quantdrift baseline promote RUN [overrides]      make results/<model>/RUN the baseline (old one kept)
     quantdrift corpus variant=NAME file=PATH ctx=512 [json=true]
+    quantdrift calibration [calibration_sweep.variants=[...]] [calibration_sweep.samples=[...]]
 
 Exit codes: 0 done; 2 bad input or configuration (the message says which and what was expected);
 3 the run finished but at least one variant failed (the report lists it).
@@ -76,6 +77,19 @@ def _bench(cfg: Config) -> int:
     return run_bench(cfg)
 
 
+def _calibration(cfg: Config) -> int:
+    from pipeline.calibration_sweep import run_sweep
+
+    sweep = run_sweep(cfg)
+    for r in sweep["rows"]:
+        print(f"{r['variant']} at {r['samples']} calibration texts: mean KLD {r['kld_mean']:.4f} "
+              f"[{r['kld_low']:.4f}, {r['kld_high']:.4f}]")
+    for s in sweep["skipped"]:
+        print(f"{s['variant']} at {s['samples']} calibration texts: skipped ({s['reason']})")
+    print(f"calibration sweep: {cfg.results_dir / 'calibration_sweep.json'}")
+    return 0
+
+
 def _prepare(cfg: Config) -> int:
     from pipeline.prepare import prepare
 
@@ -86,7 +100,7 @@ def _prepare(cfg: Config) -> int:
 
 # command -> what runs it (Config.COMMANDS lists the same names; a test checks they agree)
 COMMANDS = {"evaluate": _evaluate, "report": _report, "regress": _regress, "baseline": _baseline,
-            "corpus": _corpus, "bench": _bench, "prepare": _prepare}
+            "corpus": _corpus, "bench": _bench, "prepare": _prepare, "calibration": _calibration}
 
 
 def run(cfg: Config) -> int:

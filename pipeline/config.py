@@ -390,6 +390,22 @@ class BenchConfig:
 
 
 @dataclass
+class CalibrationSweepConfig:
+    """`quantdrift calibration` (`make calibration`): each variant quantized again at each calibration sample
+    count and scored teacher-forced on the run's reference (pipeline.calibration_sweep)."""
+
+    variants: list = field(default_factory=lambda: ["gptq_w4", "awq_w4"])
+    samples: list = field(default_factory=lambda: [32, 128, 512])
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.variants, list) and all(isinstance(v, str) and v for v in self.variants),
+                 "calibration_sweep.variants", self.variants, "a list of GPTQ/AWQ variant names")
+        _require(isinstance(self.samples, list) and self.samples
+                 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.samples),
+                 "calibration_sweep.samples", self.samples, "a non-empty list of positive integers")
+
+
+@dataclass
 class Config:
     command: str
     model: ModelConfig
@@ -406,10 +422,11 @@ class Config:
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     regress: RegressConfig = field(default_factory=RegressConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    calibration_sweep: CalibrationSweepConfig = field(default_factory=CalibrationSweepConfig)
     force: bool = False
     seed: int = 0
 
-    COMMANDS = ("evaluate", "report", "regress", "baseline", "corpus", "bench", "prepare")
+    COMMANDS = ("evaluate", "report", "regress", "baseline", "corpus", "bench", "prepare", "calibration")
 
     def __post_init__(self) -> None:
         _one_of("command", self.command, self.COMMANDS)
@@ -443,7 +460,7 @@ def from_dict(raw: dict) -> Config:
         "model": ModelConfig, "variant": VariantConfig, "profile": ProfileConfig, "runtime": RuntimeConfig,
         "reference": ReferenceConfig, "decision": DecisionConfig, "paths": PathsConfig, "run": RunSection,
         "corpus": CorpusConfig, "kv_cache": KVCacheConfig, "capacity": CapacityConfig, "regress": RegressConfig,
-        "bench": BenchConfig,
+        "bench": BenchConfig, "calibration_sweep": CalibrationSweepConfig,
     }
     built = {key: _build(cls, raw.pop(key, None), key) for key, cls in sections.items()}
     command = raw.pop("command", "evaluate")

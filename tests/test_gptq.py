@@ -8,7 +8,8 @@ import pytest
 from pipeline import metrics
 from pipeline.config import load_variant
 from pipeline.quantizers.base import Skip
-from pipeline.quantizers.gptq import choose_group_size
+from pipeline.quantizers.calibration import calibration_key
+from pipeline.quantizers.gptq import cast_unquantized, choose_group_size
 
 TEXT = ("Purchase order PO-88412 for 240 ergonomic chairs at USD 189.00 each was approved by Marta Okafor on "
         "12 May; delivery to the Leeds warehouse is due within 21 days of approval. ") * 3
@@ -20,6 +21,54 @@ def test_group_size_is_the_largest_dividing_every_input_size():
     assert choose_group_size([96, 160]) == 32
     with pytest.raises(Skip, match="no group size"):
         choose_group_size([100, 200])
+
+
+def _calibration_file(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+
+def test_calibration_key_follows_the_texts_used_not_the_files_place(tmp_path):
+    from pipeline.config import PROJECT_ROOT
+
+    calib = tmp_path / "calibration.jsonl"
+    texts = [f"Invoice INV-{i:04d} for EUR {i * 13}.50 is due on day {i % 28 + 1}." for i in range(10)]
+    _calibration_file(calib, texts)
+    spec = {"path": str(calib), "field": "text", "samples": 4, "seq_len": 64}
+    first = calibration_key(spec)
+    _calibration_file(calib, texts + ["Appended later: a text beyond the four used."])
+    assert calibration_key(spec) == first                                   # nothing used changed
+    whole = calibration_key({k: v for k, v in spec.items() if k != "samples"})
+    _calibration_file(calib, texts + ["Appended later: now read, since the whole file is used."] * 2)
+    assert calibration_key({k: v for k, v in spec.items() if k != "samples"}) != whole
+    _calibration_file(calib, texts[:2] + ["An edited third text."] + texts[3:])
+    assert calibration_key(spec) != first                                   # a used text changed
+    shipped = calibration_key({"path": str(PROJECT_ROOT / "prompts" / "calibration.jsonl"), "samples": 8})
+    assert shipped["path"] == "prompts/calibration.jsonl"                   # clones at other paths share keys
+
+
+def test_unquantized_tensors_are_cast_and_the_quantization_data_kept(tmp_path):
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {"model.embed_tokens.weight": torch.randn(32, 8), "model.norm.weight": torch.ones(8),
+               "model.layers.0.mlp.up_proj.qweight": torch.randint(0, 2**31 - 1, (1, 16), dtype=torch.int32),
+               "model.layers.0.mlp.up_proj.scales": torch.rand(1, 16, dtype=torch.float32),
+               "model.layers.0.mlp.up_proj.g_idx": torch.zeros(8, dtype=torch.int32)}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32", "quantization_config": {"bits": 4}}))
+    assert cast_unquantized(tmp_path, "float16") == 2
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as fh:
+        out = {k: fh.get_tensor(k) for k in fh.keys()}
+        assert fh.metadata() == {"format": "pt"}
+    assert out["model.embed_tokens.weight"].dtype == torch.float16 and out["model.norm.weight"].dtype == torch.float16
+    assert torch.equal(out["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"].half())
+    for k in ("qweight", "scales", "g_idx"):                                 # quantization data as the tool wrote it
+        name = f"model.layers.0.mlp.up_proj.{k}"
+        assert out[name].dtype == tensors[name].dtype and torch.equal(out[name], tensors[name])
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["dtype"] == "float16" and "torch_dtype" not in config and config["quantization_config"]
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_shipped_gptq_and_awq_variants_compose():
@@ -70,6 +119,7 @@ def reference(quantized):
 def test_gptq_and_awq_folders_load_with_plain_transformers_and_gptqmodel(quantized, reference):
     import torch
     from gptqmodel import GPTQModel
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     cfg, original, arts = quantized
@@ -83,6 +133,11 @@ def test_gptq_and_awq_folders_load_with_plain_transformers_and_gptqmodel(quantiz
         assert p["tool"] == "GPTQModel" and p["version"] == "7.6.0"
         assert p["recipe"].startswith(f"{'AWQ' if name.startswith('awq') else 'GPTQ'} W{8 if name == 'gptq_w8' else 4}, "
                                       "g128, ") and "16×≤64 tokens of calibration.jsonl" in p["recipe"]
+        # GPTQ quantizes in fp32 on a CPU but ships its embeddings and norms in fp16; AWQ keeps its bf16
+        embed = "float16" if name.startswith("gptq") else "bfloat16"
+        with safe_open(str(art.path / "model.safetensors"), framework="pt") as fh:
+            assert str(fh.get_tensor("model.embed_tokens.weight").dtype) == f"torch.{embed}", name
+        assert ("float16 unquantized tensors" in p["recipe"]) == name.startswith("gptq"), p["recipe"]
         hf = AutoModelForCausalLM.from_pretrained(str(art.path), dtype=torch.float32, device_map="cpu").eval()
         assert any(hasattr(m, "qweight") for m in hf.modules()), "transformers must load the real quantized layers"
         with torch.no_grad():

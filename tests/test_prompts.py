@@ -420,3 +420,22 @@ def test_format():
     assert not run_check(greet, "Sure thing,\nthe order ships on Monday.")                   # not a name
     assert not run_check(greet, "line one\nline two\nline three\nline four\nline five\nDear Ama,")  # too late
     assert not run_check(greet, DEGENERATE["loop"]) and not run_check(greet, "")
+
+
+def test_calibration_text_is_kept_apart_from_every_evaluation_text():
+    """GPTQ/AWQ/imatrix calibration must never see what is scored: no calibration text shares a run of eight words
+    with any prompt, document or check of the shipped suites, and there are enough texts for the 512-sample
+    calibration sweep (`make calibration`)."""
+    def grams(text, n=8):
+        words = re.findall(r"\w+", text.lower())
+        return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+    calibration = [json.loads(line) for line in (PROJECT_ROOT / "prompts" / "calibration.jsonl").open()]
+    ids = [r["id"] for r in calibration]
+    assert len(ids) == len(set(ids)) and len(calibration) >= 512
+    scored = set()
+    for path in (PROJECT_ROOT / "prompts").rglob("*"):
+        if path.is_file() and path.name not in ("calibration.jsonl", "SCHEMA.md"):
+            scored |= grams(path.read_text(encoding="utf-8"))
+    shared = {r["id"]: sorted(grams(r["text"]) & scored)[:2] for r in calibration if grams(r["text"]) & scored}
+    assert not shared, shared

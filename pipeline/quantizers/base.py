@@ -99,6 +99,34 @@ class Passthrough(Quantizer):
                         info={"format": "hf-safetensors", "dtype": self.original.facts.get("torch_dtype")})
 
 
+def run_worker(argv: list[str], scratch: Path, env: dict, what: str) -> tuple[dict, float]:
+    """Run a quantization child process in ``scratch`` with its output streamed through (minutes of per-layer
+    progress stay visible); it must write ``scratch/stats.json``. Returns (its stats, wall seconds); a failure
+    raises with the child's last lines. The child is killed if this process is interrupted."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    started = time.time()
+    proc = subprocess.Popen(argv, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    try:
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            tail = (tail + [line.rstrip()])[-12:]
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wall = time.time() - started
+    stats_path = Path(scratch) / "stats.json"
+    if proc.returncode != 0 or not stats_path.is_file():
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n" + "\n".join(tail))
+    return json.loads(stats_path.read_text()), wall
+
+
 def bits_per_weight(path: Path, params: int | None) -> float | None:
     """Stored bits per weight of an artifact. A GGUF file: 8 x its tensors' bytes / their elements (scales and
     the fallback types included; llama.cpp's own "BPW" also counts the vocabulary and metadata). A safetensors

@@ -44,9 +44,16 @@ def calibration_texts(spec: dict) -> list[str]:
 
 
 def calibration_key(spec: dict) -> dict:
-    """``spec`` plus the content hash of a local file, so an edited calibration text rebuilds what used it."""
+    """``spec`` plus the content hash of the texts a local file contributes (its first ``samples`` texts when the
+    spec has a sample count, else all), so an edited text rebuilds what used it and appending texts beyond those
+    used rebuilds nothing. A path inside the project is recorded relative to it, so clones share keys."""
     from pipeline.store import stable_hash
 
-    if spec.get("path") and Path(spec["path"]).is_file():
-        return {**spec, "sha": stable_hash(Path(spec["path"]).read_text(encoding="utf-8"))}
-    return dict(spec)
+    key = dict(spec)
+    path = Path(spec["path"]) if spec.get("path") else None
+    if path is not None and path.is_file():
+        texts = calibration_texts(spec)
+        key["sha"] = stable_hash(texts[: spec["samples"]] if spec.get("samples") else texts)
+        if path.resolve().is_relative_to(PROJECT_ROOT):
+            key["path"] = str(path.resolve().relative_to(PROJECT_ROOT))
+    return key

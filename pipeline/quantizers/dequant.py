@@ -1,4 +1,5 @@
-"""Exact dequantization of GPTQ (v1 "gptq" checkpoint format) and AWQ (GEMM) folders into a dense checkpoint.
+"""Exact dequantization of GPTQ (v1 "gptq" checkpoint format), AWQ (GEMM) and compressed-tensors folders into a
+dense checkpoint.
 
 Used for one purpose: a fast stand-in for free-running generation on CPU, where the real GPTQ/AWQ kernels
 decode too slowly for a whole suite. The dense weights are the quantized weights exactly (codes x scales);
@@ -70,6 +71,23 @@ def dequant_awq_gemm(qweight, qzeros, scales, bits: int, group_size: int):
     return dense.t().contiguous()
 
 
+def compressed_tensors_state_dict(folder: Path, config: dict) -> dict:
+    """A compressed-tensors checkpoint (llm-compressor's) dequantized by compressed-tensors itself, through
+    transformers' ``dequantize=True`` load: every quantized linear becomes its dense float32 weight."""
+    import torch
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, device_map="cpu",
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
+    state = {k: v.detach().to(torch.float32).clone() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)       # the embedding, shared
+    leftover = [k for k in state if k.rsplit(".", 1)[-1] not in ("weight", "bias")]
+    if leftover:
+        raise ValueError(f"{folder}: dequantizing left quantization tensors behind: {leftover[:4]}")
+    return state
+
+
 def dense_state_dict(folder: Path) -> tuple[dict, dict]:
     """Every tensor of a GPTQ/AWQ folder with quantized linears replaced by dense float32 weights."""
     import torch
@@ -78,6 +96,8 @@ def dense_state_dict(folder: Path) -> tuple[dict, dict]:
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     qc = config["quantization_config"]
+    if qc.get("quant_method") == "compressed-tensors":
+        return compressed_tensors_state_dict(folder, config), config
     bits, group, method = qc["bits"], qc["group_size"], qc["quant_method"]
     fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
     state, packed = {}, defaultdict(dict)

@@ -475,6 +475,32 @@ def _bits_section(summary: dict, ok: dict) -> tuple | None:
     return ("bits", "Bits per weight and the importance matrix", blocks)
 
 
+def _calibration_section(summary: dict) -> tuple | None:
+    """`quantdrift calibration`'s sweep of this run: mean KLD per variant at each calibration sample count."""
+    sweep = summary.get("calibration_sweep")
+    if not sweep or not (sweep.get("rows") or sweep.get("skipped")):
+        return None
+    rows = []
+    for r in sweep["rows"]:
+        delta = (f"{r['delta']:+.4f} [{r['delta_low']:+.4f}, {r['delta_high']:+.4f}]"
+                 + (" (significant)" if r["significant"] else " (inside the noise)")) if "delta" in r else "–"
+        p = r.get("producer") or {}
+        rows.append([r["variant"], str(r["samples"]), f"{_fmt(r.get('calibration_samples'), 'd')} / "
+                     f"{_fmt(r.get('calibration_tokens'), 'd')}",
+                     f"{r['kld_mean']:.4f} [{r['kld_low']:.4f}, {r['kld_high']:.4f}]", delta,
+                     _fmt(r.get("bits_per_weight"), ".2f"), _fmt(r.get("quantize_wall_s"), ".0f"),
+                     f"{p.get('tool', '')} {p.get('version') or ''}".strip() or "–"])
+    blocks: list = [(["variant", "calibration texts", "texts / tokens used", "mean KLD [95 % CI]",
+                      "Δ vs the largest count [95 % CI]", "bits/weight", "quantize s", "produced by"], rows),
+                    "Each variant quantized again with only its number of calibration texts changed, scored "
+                    "teacher-forced on this run's reference like every other figure here. Δ is paired over the same "
+                    "conversations and token positions; a significant negative Δ at a smaller count would be "
+                    "impossible, a significant positive one says the smaller count limits the result."]
+    if sweep.get("skipped"):
+        blocks.append([f"`{s['variant']}` at {s['samples']} texts: skipped — {s['reason']}" for s in sweep["skipped"]])
+    return ("calibration", "Calibration sensitivity (is the recipe what limits a result?)", blocks)
+
+
 def _artifact_section(ok: dict) -> tuple:
     rows = []
     for n, v in ok.items():
@@ -544,7 +570,7 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
     sections = [_decision_section(summary), ("variants", "Variants", variants_blocks)]
     sections += [s for s in (_power_section(ok), _recall_section(ok), _capacity_section(summary, ok)) if s]
     sections += _drift_sections(ok)
-    sections += [s for s in (_llama_stats_section(ok), _bits_section(summary, ok)) if s]
+    sections += [s for s in (_llama_stats_section(ok), _bits_section(summary, ok), _calibration_section(summary)) if s]
     where = {"pareto": "decision", "kld_by_position": "by-position", "kld_by_turn": "by-turn",
              "recall_by_depth": "recall", "kld_vs_bits": "bits"}
     for name in plots:      # each plot goes into its section (a plot without one gets its own)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from pipeline.aggregate import SCHEMA_VERSION, capacity_plan, imatrix_effects, variant_summary
+from pipeline.calibration_sweep import load_sweep
 from pipeline.catalogue import validate_summary
 from pipeline.config import Config
 from pipeline.decision import decide
@@ -51,6 +52,7 @@ def build_summary(cfg: Config) -> dict:
         "recommendation": decide(variants, cfg.decision),
         "speed_noise": noise_floor(speed_run, cfg.decision.alpha),
         "imatrix_effects": imatrix_effects(variants, cfg.seed),
+        "calibration_sweep": load_sweep(cfg),     # `quantdrift calibration` of this run, when it has run
         # per suite: the original's pass rate and whether flips carry signal there (from the first evaluated variant:
         # every variant is checked against the same reference replies)
         "suites": {suite: {k: p.get(k) for k in ("conversations", "checks", "reference_pass_rate",

@@ -110,6 +110,7 @@ class HFRuntime(FullLogitsRuntime):
         torch.manual_seed(0)
         self.model = AutoModelForCausalLM.from_pretrained(
             str(artifact), dtype=self.dtype, trust_remote_code=trust_remote_code,
+            **self._load_options(Path(artifact)),
         ).to(self.device).eval()
         self._cache = None
         self._cache_ids: list[int] = []
@@ -131,12 +132,34 @@ class HFRuntime(FullLogitsRuntime):
         if self.kv:
             self.info["kv_cache"] = {**self.kv, "layout": "KIVI: keys per channel, values per token, fp16 scales"}
 
+    def _load_options(self, artifact: Path) -> dict:
+        """A compressed-tensors checkpoint (llm-compressor's) is dequantized at load: transformers 5.24 cannot
+        load its packed asymmetric zero points in compressed form (llm-compressor#1618), and on a CPU there is no
+        packed-int4 kernel for it to run anyway (vLLM runs one on a GPU). Its linears are then dense, holding the
+        quantized weights exactly."""
+        config = artifact / "config.json"
+        if not config.is_file():
+            return {}
+        import json
+
+        qc = json.loads(config.read_text()).get("quantization_config") or {}
+        if qc.get("quant_method") != "compressed-tensors":
+            return {}
+        from transformers import CompressedTensorsConfig
+
+        self._dequantized_at_load = f"compressed-tensors {qc.get('format') or ''}".strip()
+
+        return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
     def _kernel_name(self) -> str:
         """The linear-layer implementations actually used: every leaf module class inside the decoder layers that
         does a matmul with its own weights (a torch.nn.Linear, a GPTQ/AWQ QuantLinear with packed ``qweight``, a
         compressed-tensors layer, ...), not only those that name a ``qweight``."""
         import torch
 
+        if getattr(self, "_dequantized_at_load", None):
+            return (f"torch.nn.Linear ({str(self.dtype).replace('torch.', '')}), dequantized at load from "
+                    f"{self._dequantized_at_load}")
         kinds = set()
         for name, m in self.model.named_modules():
             if ".layers." not in f".{name}." or any(True for _ in m.children()):
