@@ -21,6 +21,8 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from pipeline.children import child_options
+
 log = logging.getLogger(__name__)
 
 
@@ -49,7 +51,7 @@ def run_llama_batched_bench(exe: Path, gguf: Path, threads: int, n_batch: int, f
            "-fa", "on" if flash_attn else "off", "-no-kvu", "-ngl", "0",
            "-npp", str(prompt), "-ntg", str(gen), "-npl", ",".join(str(n) for n in sequences),
            "--output-format", "jsonl"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **child_options())
     rows = parse_batched_bench(proc.stdout + "\n" + proc.stderr)
     missing = [n for n in sequences if n not in rows]
     if proc.returncode != 0 or missing:

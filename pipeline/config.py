@@ -394,7 +394,7 @@ class CalibrationSweepConfig:
     """`quantdrift calibration` (`make calibration`): each variant quantized again at each calibration sample
     count and scored teacher-forced on the run's reference (pipeline.calibration_sweep)."""
 
-    variants: list = field(default_factory=lambda: ["gptq_w4", "awq_w4"])
+    variants: list = field(default_factory=lambda: ["gptq_w4", "awq_w4_llmc"])
     samples: list = field(default_factory=lambda: [32, 128, 512])
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pipeline.children import child_options
 from pipeline.memory import device_memory, peak_rss_mb
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def _run_child(spec: dict, timeout_s: float) -> tuple[dict, float | None]:
         busy0, child0, t0 = _busy_jiffies(), resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
         self0 = resource.getrusage(resource.RUSAGE_SELF)
         proc = subprocess.run([sys.executable, "-m", "pipeline.probe", str(spec_path), str(out_path)],
-                              capture_output=True, text=True, timeout=timeout_s)
+                              capture_output=True, text=True, timeout=timeout_s, **child_options())
         wall = time.time() - t0
         busy1, child1 = _busy_jiffies(), resource.getrusage(resource.RUSAGE_CHILDREN)
         self1 = resource.getrusage(resource.RUSAGE_SELF)

@@ -109,7 +109,10 @@ def run_worker(argv: list[str], scratch: Path, env: dict, what: str) -> tuple[di
     import time
 
     started = time.time()
-    proc = subprocess.Popen(argv, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    from pipeline.children import child_options
+
+    proc = subprocess.Popen(argv, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **child_options())
     tail: list[str] = []
     try:
         for line in proc.stdout:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from pipeline.children import child_options
 from pipeline.errors import ConfigError
 from pipeline.quantizers.base import Quantizer, Skip
 from pipeline.store import run_stage
@@ -68,7 +69,7 @@ def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_
         cmd = [sys.executable, str(script), str(checkpoint), "--outfile", str(tmp / F16_FILE), "--outtype", "f16",
                "--model-name", model_name]
         log.info("converting %s to F16 GGUF with llama.cpp's converter", checkpoint)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, **child_options())
         if proc.returncode != 0:
             text = proc.stderr + proc.stdout
             if "not supported" in text or "NotImplementedError" in text:
@@ -129,7 +130,7 @@ def llama_quantize(tools: str, src: Path, dst: Path, ftype_name: str, threads: i
             raise Skip(f"an importance-matrix quant needs llama.cpp's tools: {exc}") from None
         return None
     cmd = [str(exe), *(["--imatrix", str(imatrix)] if imatrix else []), str(src), str(dst), ftype_name, str(threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, **child_options())
     text = proc.stderr + proc.stdout
     if proc.returncode != 0:
         dst.unlink(missing_ok=True)
@@ -162,7 +163,7 @@ def imatrix_stage(cfg: Config, original, f16: Path, spec: dict, chunks: int | No
         if chunks:
             cmd += ["--chunks", str(chunks)]
         log.info("computing the importance matrix of %s on %d calibration texts (llama-imatrix)", f16.name, len(texts))
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, **child_options())
         text = proc.stderr + proc.stdout
         if proc.returncode != 0 or not (tmp / "imatrix.gguf").is_file():
             raise RuntimeError(f"llama-imatrix failed (exit {proc.returncode}): {refusal(text)}")
