@@ -14,6 +14,24 @@ DEFAULT_CALIBRATION = {"path": str(PROJECT_ROOT / "prompts" / "calibration.jsonl
 CALIBRATION_KEYS = ("path", "dataset", "config", "split", "field", "samples", "seq_len")
 
 
+def check_calibration(calibration: dict | None) -> None:
+    """variant.quantize.calibration: known keys only, positive sample count and sequence length."""
+    from pipeline.settings import one_of, positive_int
+
+    for k, v in (calibration or {}).items():
+        one_of("variant.quantize.calibration", k, CALIBRATION_KEYS)
+        if k in ("samples", "seq_len"):
+            positive_int(f"variant.quantize.calibration.{k}", v)
+
+
+def check_group_size(group_size) -> None:
+    from pipeline.settings import require
+
+    require(group_size == "auto" or (isinstance(group_size, int) and not isinstance(group_size, bool)
+                                     and group_size > 0),
+            "variant.quantize.group_size", group_size, "auto or a positive integer")
+
+
 def calibration_texts(spec: dict) -> list[str]:
     """Every text of the calibration source ``spec`` ({path | dataset, config, split, field}), in order."""
     field = spec.get("field", "text")

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from pipeline.errors import ConfigError
 from pipeline.quantizers.base import Quantizer, Skip, run_worker
-from pipeline.quantizers.calibration import (CALIBRATION_KEYS, DEFAULT_CALIBRATION, PROJECT_ROOT, calibration_key,
-                                             calibration_texts)
+from pipeline.quantizers.calibration import (DEFAULT_CALIBRATION, PROJECT_ROOT, calibration_key, calibration_texts,
+                                             check_calibration, check_group_size)
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +89,15 @@ class GPTQModelSettings:
     calibration: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from pipeline.settings import one_of, positive_int, require
+        from pipeline.settings import one_of
 
         one_of("variant.quantize.method", self.method, ("gptq", "awq"))
         one_of("variant.quantize.bits", self.bits, (4,) if self.method == "awq" else (2, 3, 4, 8))
-        require(self.group_size == "auto" or (isinstance(self.group_size, int) and self.group_size > 0),
-                "variant.quantize.group_size", self.group_size, "auto or a positive integer")
+        check_group_size(self.group_size)
         for key in ("dtype", "save_dtype"):
             if getattr(self, key) is not None:
                 one_of(f"variant.quantize.{key}", getattr(self, key), ("float32", "bfloat16", "float16"))
-        for k, v in (self.calibration or {}).items():
-            one_of("variant.quantize.calibration", k, CALIBRATION_KEYS)
-            if k in ("samples", "seq_len"):
-                positive_int(f"variant.quantize.calibration.{k}", v)
+        check_calibration(self.calibration)
 
 
 class GPTQModelQuantizer(Quantizer):

@@ -24,13 +24,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.makefile import make_print
 from pipeline.quantizers.base import Quantizer, Skip, run_worker
-from pipeline.quantizers.calibration import CALIBRATION_KEYS, DEFAULT_CALIBRATION, PROJECT_ROOT, calibration_key
+from pipeline.quantizers.calibration import (DEFAULT_CALIBRATION, calibration_key, check_calibration,
+                                             check_group_size)
 from pipeline.quantizers.gptq import choose_group_size, load_calibration, quantized_input_sizes
 
 log = logging.getLogger(__name__)
@@ -41,14 +42,7 @@ WORKER = Path(__file__).with_name("llmc_worker.py")
 def environment_python() -> Path:
     """The llm-compressor environment's interpreter: $QUANTDRIFT_LLMC_PYTHON, else what `make print-llmc-python`
     names (the Makefile owns the layout). Skip, naming `make llmc-env`, when it is not built."""
-    python = os.environ.get("QUANTDRIFT_LLMC_PYTHON", "")
-    if not python:
-        try:
-            out = subprocess.run(["make", "-s", "--no-print-directory", "print-llmc-python"], cwd=PROJECT_ROOT,
-                                 capture_output=True, text=True, timeout=60)
-            python = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else ""
-        except (OSError, subprocess.TimeoutExpired):
-            python = ""
+    python = os.environ.get("QUANTDRIFT_LLMC_PYTHON", "") or make_print("print-llmc-python")
     path = Path(python) if python else None
     if path is None or not (path.is_file() and os.access(path, os.X_OK)):
         raise Skip(f"llm-compressor's environment is not built ({python or 'no interpreter named'}): run "
@@ -86,19 +80,15 @@ class LLMCompressorSettings:
     calibration: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from pipeline.settings import one_of, positive_int, require
+        from pipeline.settings import one_of, positive_int
 
         one_of("variant.quantize.method", self.method, ("awq",))
         one_of("variant.quantize.bits", self.bits, (4,))
-        require(self.group_size == "auto" or (isinstance(self.group_size, int) and self.group_size > 0),
-                "variant.quantize.group_size", self.group_size, "auto or a positive integer")
+        check_group_size(self.group_size)
         one_of("variant.quantize.dtype", self.dtype, ("float32", "bfloat16"))
         one_of("variant.quantize.save_dtype", self.save_dtype, ("float16", "bfloat16", "float32"))
         positive_int("variant.quantize.n_grid", self.n_grid)
-        for k, v in (self.calibration or {}).items():
-            one_of("variant.quantize.calibration", k, CALIBRATION_KEYS)
-            if k in ("samples", "seq_len"):
-                positive_int(f"variant.quantize.calibration.{k}", v)
+        check_calibration(self.calibration)
 
 
 class LLMCompressorQuantizer(Quantizer):
