@@ -1,6 +1,6 @@
 # quantdrift — every target sets up .venv on first use.
 #   make compare [MODEL=...] [VARIANTS=a,b,...] [SUITES=a,b] [PROFILE=quick|full] [ARGS="hydra overrides"]
-#   make test | make bench | make report | make clean-venv
+#   make test | make bench | make load | make report | make clean-venv
 # CUDA: make compare TORCH=cuda   (CUDA torch wheel + llama.cpp built with -DGGML_CUDA=on)
 
 PYTHON ?= python3
@@ -48,7 +48,7 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare report test bench calibration llmc-env print-llmc-python clean-venv converter llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools
+.PHONY: setup compare load report test bench calibration llmc-env print-llmc-python clean-venv converter llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools
 
 setup: $(VENV)/.installed
 
@@ -130,8 +130,24 @@ IMATRIX_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
 LLMC_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
   grep -qs '^quantizer: *llmcompressor' conf/variant/$${v%%+*}.yaml && echo $$v; done)
 
-compare: setup $(if $(strip $(IMATRIX_VARIANTS)),llama-tools) $(if $(strip $(LLMC_VARIANTS)),llmc-env)
+# The served-load sweep (pipeline/load.py): the llama.cpp variants on llama-server (make llama-tools) under guidellm's
+# concurrent load. `make compare` runs the short sweep (conf/load/short.yaml; full with PROFILE=full), `make load`
+# the full one (conf/load/full.yaml). LOAD_ARGS: e.g. "workload=batch" or "load.concurrency=[1,2,4,8]".
+ifeq ($(PROFILE),full)
+  COMPARE_LOAD ?= full
+else
+  COMPARE_LOAD ?= short
+endif
+LOAD_ARGS ?=
+LOAD_CMD = $(VENV)/bin/quantdrift command=load run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin
+
+compare: setup llama-tools $(if $(strip $(LLMC_VARIANTS)),llmc-env)
 	$(VENV)/bin/quantdrift -m variant=$(VARIANTS) $(COMMON)
+	$(LOAD_CMD) load=$(COMPARE_LOAD) $(COMMON) $(LOAD_ARGS)
+	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
+
+load: setup llama-tools
+	$(LOAD_CMD) load=full $(COMMON) $(LOAD_ARGS)
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 
 report: setup

@@ -77,6 +77,7 @@ def run_bench(cfg: Config) -> int:
         rt.score(longest["ids"], positions, [[0]] * len(positions))
         score_s = time.perf_counter() - t
         rt.close()
+        tool_row = _llama_bench_row(cfg, variant, artifact, speed)
         rows[name] = {
             "status": "ok",
             "decode_tokens_per_s": speed["decode_tokens_per_s"],
@@ -86,6 +87,7 @@ def run_bench(cfg: Config) -> int:
             "scoring_tokens_per_s": len(longest["ids"]) / score_s,
             "scored_sequence_tokens": len(longest["ids"]),
             "stage_wall_s": _stage_walls(vcfg, name),
+            "llama_bench": tool_row,
             "bench_wall_s": time.perf_counter() - t0,
         }
     out = {"model": cfg.model.name, "run": cfg.run.name, "threads": cfg.runtime.n_threads, "variants": rows}
@@ -94,6 +96,66 @@ def run_bench(cfg: Config) -> int:
     write_json(cfg.results_dir / "bench.json", out)
     print(format_bench(out))
     return 0
+
+
+def parse_llama_bench(text: str) -> list[dict]:
+    """llama-bench -o jsonl: one dict per test line (n_prompt, n_gen, n_depth, avg_ts, stddev_ts, samples_ts)."""
+    import json
+
+    return [json.loads(line) for line in text.splitlines() if line.strip().startswith("{") and '"avg_ts"' in line]
+
+
+def run_llama_bench(exe, gguf, threads: int, n_batch: int, flash_attn: bool, cache_types: tuple[str, str],
+                    prompt: int, gen: int, repetitions: int = 5, timeout: float = 900) -> dict:
+    """llama-bench on the pipeline's own file and settings, as the speed probe measures: prefill of ``prompt``
+    tokens (pp) and decode of ``gen`` tokens after a ``prompt``-token context (tg at depth ``prompt``)."""
+    import subprocess
+
+    from pipeline.children import child_options
+
+    common = [str(exe), "-m", str(gguf), "-t", str(threads), "-b", str(n_batch), "-ub", str(n_batch),
+              "-fa", "on" if flash_attn else "off", "-ctk", cache_types[0], "-ctv", cache_types[1], "-ngl", "0",
+              "-r", str(repetitions), "-o", "jsonl"]
+    out = {}
+    for label, extra in (("pp", ["-p", str(prompt), "-n", "0"]), ("tg", ["-p", "0", "-n", str(gen), "-d", str(prompt)])):
+        proc = subprocess.run(common + extra, capture_output=True, text=True, timeout=timeout, **child_options())
+        rows = parse_llama_bench(proc.stdout)
+        if proc.returncode != 0 or not rows:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
+            raise RuntimeError(f"llama-bench failed (exit {proc.returncode}): {' '.join(common + extra)}\n{tail}")
+        out[label] = {"tokens_per_s": float(rows[0]["avg_ts"]), "stddev": float(rows[0]["stddev_ts"]),
+                      "samples": rows[0].get("samples_ts")}
+    return {"prefill_tokens_per_s": out["pp"]["tokens_per_s"], "decode_tokens_per_s": out["tg"]["tokens_per_s"],
+            "detail": out, "prompt_tokens": prompt, "gen_tokens": gen, "depth": prompt}
+
+
+def _llama_bench_row(cfg: Config, variant, artifact, speed: dict) -> dict | None:
+    """llama-bench beside the probe's figures for a llama.cpp variant (same file, threads, batch, flash attention,
+    KV types, prompt length and decode depth): ratios ours / llama-bench; None for other runtimes; the reason when
+    the tool is not built."""
+    if variant.runtime != "llamacpp":
+        return None
+    from pipeline.errors import ConfigError
+    from pipeline.llamatools import tool
+    from pipeline.runtimes.llamacpp import gguf_file
+
+    try:
+        exe = tool("llama-bench", cfg.bench.llama_tools)
+    except ConfigError as exc:
+        return {"status": "skipped", "reason": str(exc)}
+    opts = variant.runtime_options or {}
+    flash = cfg.runtime.flash_attn if opts.get("flash_attn") is None else bool(opts["flash_attn"])
+    sp = cfg.profile.speed
+    try:
+        tb = run_llama_bench(exe, gguf_file(artifact.path), cfg.runtime.n_threads, cfg.runtime.n_batch, flash,
+                             (opts.get("cache_type_k", "f16"), opts.get("cache_type_v", "f16")), sp.prompt_tokens,
+                             sp.decode_tokens)
+    except (RuntimeError, OSError) as exc:
+        return {"status": "failed", "reason": str(exc)}
+    ratio = lambda a, b: (a / b) if a and b else None  # noqa: E731
+    return {"status": "ok", **tb,
+            "decode_ratio": ratio(speed["decode_tokens_per_s"], tb["decode_tokens_per_s"]),
+            "prefill_ratio": ratio(speed["prefill_tokens_per_s"], tb["prefill_tokens_per_s"])}
 
 
 def _batched(cfg: Config, original, renderer, suites: dict) -> dict:
@@ -136,6 +198,21 @@ def format_bench(out: dict) -> str:
         noise = "-" if r["cpu_noise"] is None else f"{r['cpu_noise']:.0%}"
         lines.append(f"{name:<22}{r['decode_tokens_per_s']:>13.1f}{r['prefill_tokens_per_s']:>14.0f}"
                      f"{r['scoring_tokens_per_s']:>12.0f}{noise:>7}  {stages}")
+    tool_rows = {n: r["llama_bench"] for n, r in out["variants"].items() if r.get("llama_bench")}
+    if tool_rows:
+        lines.append("")
+        lines.append("single stream against llama-bench (same file, threads, batch, flash attention, KV types; decode "
+                     "at the probe's depth), ratio = ours / llama-bench:")
+        lines.append(f"  {'variant':<22}{'decode ours':>12}{'llama-bench tg':>16}{'ratio':>7}{'prefill ours':>14}"
+                     f"{'llama-bench pp':>16}{'ratio':>7}")
+        for name, t in tool_rows.items():
+            r = out["variants"][name]
+            if t["status"] != "ok":
+                lines.append(f"  {name:<22}llama-bench {t['status']}: {t['reason']}")
+                continue
+            lines.append(f"  {name:<22}{r['decode_tokens_per_s']:>12.1f}{t['decode_tokens_per_s']:>16.1f}"
+                         f"{t['decode_ratio']:>7.2f}{r['prefill_tokens_per_s']:>14.0f}"
+                         f"{t['prefill_tokens_per_s']:>16.0f}{t['prefill_ratio']:>7.2f}")
     batched = out.get("batched")
     if batched:
         from pipeline.batched_bench import format_batched

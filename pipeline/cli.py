@@ -7,6 +7,7 @@
     quantdrift baseline promote RUN [overrides]      make results/<model>/RUN the baseline (old one kept)
     quantdrift corpus variant=NAME file=PATH ctx=512 [json=true]
     quantdrift calibration [calibration_sweep.variants=[...]] [calibration_sweep.samples=[...]]
+    quantdrift load run.variants=[...] [load=short|full] [workload=chat|batch]   served load sweep
 
 Exit codes: 0 done; 2 bad input or configuration (the message says which and what was expected);
 3 the run finished but at least one variant failed (the report lists it).
@@ -98,9 +99,22 @@ def _prepare(cfg: Config) -> int:
     return 0
 
 
+def _load(cfg: Config) -> int:
+    from pipeline.load import format_load, run_load
+
+    result = run_load(cfg)
+    print(format_load(result))
+    print(f"load sweep: {cfg.results_dir / 'load.json'} (server logs: {result['logs']})")
+    failed = [n for n, v in result["variants"].items() if v["status"] == "failed"]
+    for name in failed:    # reported in load.json and the report; the comparison goes on to its report
+        log.error("load sweep: %s failed: %s", name, result["variants"][name]["reason"])
+    return 0
+
+
 # command -> what runs it (Config.COMMANDS lists the same names; a test checks they agree)
 COMMANDS = {"evaluate": _evaluate, "report": _report, "regress": _regress, "baseline": _baseline,
-            "corpus": _corpus, "bench": _bench, "prepare": _prepare, "calibration": _calibration}
+            "corpus": _corpus, "bench": _bench, "prepare": _prepare, "calibration": _calibration,
+            "load": _load}
 
 
 def run(cfg: Config) -> int:

@@ -270,7 +270,7 @@ class ReferenceConfig:
 @dataclass
 class DecisionConfig:
     name: str = "default"
-    objective: str = "decode_speed"   # decode_speed | memory | size
+    objective: str = "decode_speed"   # decode_speed | memory | size | throughput_at_slo (needs `quantdrift load`)
     max_kld_mean: float | None = None
     max_kld_p99: float | None = None
     max_flip_rate: float | None = None
@@ -293,7 +293,7 @@ class DecisionConfig:
     degeneration: dict = field(default_factory=lambda: {"max_repeated_4gram_rate": 0.35, "max_loop_tokens": 32})
 
     def __post_init__(self) -> None:
-        _one_of("decision.objective", self.objective, ("decode_speed", "memory", "size"))
+        _one_of("decision.objective", self.objective, ("decode_speed", "memory", "size", "throughput_at_slo"))
         _one_of("decision.confidence", self.confidence, ("point", "upper"))
         for key in ("alpha", "max_pass_drop_p"):
             x = getattr(self, key)
@@ -406,6 +406,66 @@ class CalibrationSweepConfig:
 
 
 @dataclass
+class WorkloadConfig:
+    """What the served model must do (conf/workload/NAME.yaml): the context depth and reply length of a request and
+    the latency targets a concurrency level must meet (null: no target). The load sweep's throughput_at_slo and the
+    recommendation are made for this workload."""
+
+    name: str = "chat"
+    description: str = ""
+    context_tokens: int = 2048
+    output_tokens: int = 128
+    max_ttft_p99_s: float | None = 1.0
+    max_itl_p99_s: float | None = 0.1
+    max_e2e_p99_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("workload.context_tokens", self.context_tokens)
+        _positive_int("workload.output_tokens", self.output_tokens)
+        for key in ("max_ttft_p99_s", "max_itl_p99_s", "max_e2e_p99_s"):
+            x = getattr(self, key)
+            _require(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0),
+                     f"workload.{key}", x, "null or a positive number of seconds")
+
+
+@dataclass
+class LoadConfig:
+    """The load sweep (conf/load/NAME.yaml; pipeline.load): concurrency levels x context depths, each variant served
+    by its engine, interleaved rounds."""
+
+    name: str = "short"
+    concurrency: list = field(default_factory=lambda: [1, 2, 4])
+    depths: list = field(default_factory=lambda: [512])
+    include_workload_depth: bool = False   # also measure at workload.context_tokens (the targets' own depth)
+    output_tokens: int | None = None       # tokens per request; null: workload.output_tokens
+    repeats: int = 3                       # interleaved rounds (a fresh server per variant and round)
+    requests_per_stream: int = 2           # a level ends after concurrency x this many requests ...
+    min_requests: int = 4                  # ... and at least this many
+    max_seconds_per_level: float = 120.0   # ... or after this long (a level that completes nothing reports so)
+    knee_gain: float = 0.10                # the knee: the level after which doubling adds less than this
+    ctx_margin: int = 64                   # KV cells per slot beyond depth + output (chat template, rounding)
+    memory_budget_gb: float | None = None  # null: the device's memory on CUDA, else the host's
+
+    def __post_init__(self) -> None:
+        for key in ("concurrency", "depths"):
+            x = getattr(self, key)
+            _require(isinstance(x, list) and x and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                                       for n in x), f"load.{key}", x,
+                     "a non-empty list of positive integers")
+        _require(self.output_tokens is None or (isinstance(self.output_tokens, int) and self.output_tokens >= 1),
+                 "load.output_tokens", self.output_tokens, "null or a positive integer")
+        for key in ("repeats", "requests_per_stream", "min_requests", "ctx_margin"):
+            _positive_int(f"load.{key}", getattr(self, key))
+        _require(isinstance(self.knee_gain, (int, float)) and 0 < self.knee_gain < 1, "load.knee_gain",
+                 self.knee_gain, "a fraction in (0, 1)")
+        _require(isinstance(self.max_seconds_per_level, (int, float)) and self.max_seconds_per_level > 0,
+                 "load.max_seconds_per_level", self.max_seconds_per_level, "a positive number of seconds")
+        _require(self.memory_budget_gb is None or (isinstance(self.memory_budget_gb, (int, float))
+                                                   and self.memory_budget_gb > 0),
+                 "load.memory_budget_gb", self.memory_budget_gb, "null or a positive number of GB")
+
+
+@dataclass
 class Config:
     command: str
     model: ModelConfig
@@ -423,10 +483,12 @@ class Config:
     regress: RegressConfig = field(default_factory=RegressConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     calibration_sweep: CalibrationSweepConfig = field(default_factory=CalibrationSweepConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     force: bool = False
     seed: int = 0
 
-    COMMANDS = ("evaluate", "report", "regress", "baseline", "corpus", "bench", "prepare", "calibration")
+    COMMANDS = ("evaluate", "report", "regress", "baseline", "corpus", "bench", "prepare", "calibration", "load")
 
     def __post_init__(self) -> None:
         _one_of("command", self.command, self.COMMANDS)
@@ -460,7 +522,8 @@ def from_dict(raw: dict) -> Config:
         "model": ModelConfig, "variant": VariantConfig, "profile": ProfileConfig, "runtime": RuntimeConfig,
         "reference": ReferenceConfig, "decision": DecisionConfig, "paths": PathsConfig, "run": RunSection,
         "corpus": CorpusConfig, "kv_cache": KVCacheConfig, "capacity": CapacityConfig, "regress": RegressConfig,
-        "bench": BenchConfig, "calibration_sweep": CalibrationSweepConfig,
+        "bench": BenchConfig, "calibration_sweep": CalibrationSweepConfig, "load": LoadConfig,
+        "workload": WorkloadConfig,
     }
     built = {key: _build(cls, raw.pop(key, None), key) for key, cls in sections.items()}
     command = raw.pop("command", "evaluate")

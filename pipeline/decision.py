@@ -8,6 +8,8 @@ from pipeline.config import DecisionConfig
 
 # objective -> the catalogue metric it optimises (its direction says which way is better)
 OBJECTIVES = {"decode_speed": "decode_tokens_per_s", "memory": "peak_rss_mb", "size": "artifact_bytes"}
+# objectives read from the load sweep (pipeline.load, ``v["load"]``), not the catalogue: name -> (label, better)
+LOAD_OBJECTIVES = {"throughput_at_slo": ("aggregate output tokens/s at the workload's targets", "higher")}
 
 
 def peak_memory_mb(v: dict) -> float | None:
@@ -17,6 +19,8 @@ def peak_memory_mb(v: dict) -> float | None:
 
 
 def objective_value(v: dict, objective: str) -> float | None:
+    if objective in LOAD_OBJECTIVES:
+        return (v.get("load") or {}).get(objective)
     if objective == "memory":
         return peak_memory_mb(v)
     m = BY_NAME[OBJECTIVES[objective]]
@@ -28,11 +32,21 @@ def _rank_key(v: dict, objective: str) -> float:
     x = objective_value(v, objective)
     if x is None:
         return float("inf")
-    return -x if BY_NAME[OBJECTIVES[objective]].better == "higher" else x
+    return -x if _better(objective) == "higher" else x
+
+
+def _better(objective: str) -> str:
+    return LOAD_OBJECTIVES[objective][1] if objective in LOAD_OBJECTIVES else BY_NAME[OBJECTIVES[objective]].better
 
 
 def _fmt_objective(objective: str, v: dict) -> str:
     x = objective_value(v, objective)
+    if x is None:
+        return "not measured"
+    if objective in LOAD_OBJECTIVES:
+        load = v["load"]
+        return (f"{x:.1f} tok/s at {load['throughput_at_slo_concurrency']} concurrent requests, workload "
+                f"{load['workload']}")
     if objective == "decode_speed":
         return f"{x:.1f} tok/s"
     if objective == "memory":
@@ -169,6 +183,8 @@ def speed_tie(a: dict, b: dict, objective: str, d: DecisionConfig) -> dict | Non
     decision.tie_tolerance. None when the objective is not measured in trials (artifact size)."""
     from pipeline.stats import paired_ratio
 
+    if objective in LOAD_OBJECTIVES:
+        return _load_tie(a, b, d)
     metric = OBJECTIVES[objective]
     if objective == "memory" and (a.get("device_memory") or {}).get("peak_mb") is not None:
         metric = "device_peak_mb"        # trials record both; on a GPU the device's is the one that binds
@@ -182,6 +198,20 @@ def speed_tie(a: dict, b: dict, objective: str, d: DecisionConfig) -> dict | Non
     return {**test, "tied": bool(test["p"] >= d.alpha or abs(test["ratio"] - 1) <= d.tie_tolerance)}
 
 
+def _load_tie(a: dict, b: dict, d: DecisionConfig) -> dict | None:
+    """throughput_at_slo ties when the two variants' ranges over the load sweep's rounds overlap (a difference
+    inside the noise decides nothing) or differ by under decision.tie_tolerance."""
+    ia, ib = (a.get("load") or {}).get("throughput_at_slo_interval"), (b.get("load") or {}).get("throughput_at_slo_interval")
+    if not ia or not ib:
+        return None
+    ratio = ib["estimate"] / ia["estimate"] if ia["estimate"] else float("nan")
+    overlap = ib["high"] >= ia["low"] and ia["high"] >= ib["low"]
+    return {"ratio": ratio, "low": ib["low"] / ia["high"] if ia["high"] else float("nan"),
+            "high": ib["high"] / ia["low"] if ia["low"] else float("nan"), "rounds": ia.get("units"),
+            "p": 1.0 if overlap else 0.0, "tied": bool(overlap or abs(ratio - 1) <= d.tie_tolerance),
+            "method": "overlap of the load sweep's ranges over rounds"}
+
+
 def decide(variants: dict[str, dict], d: DecisionConfig) -> dict:
     """The recommended variant by the objective among those meeting every constraint, the Pareto front over
     (mean KLD, decode tokens/s, peak memory), and for every other variant why it lost: the first constraint it
@@ -190,8 +220,7 @@ def decide(variants: dict[str, dict], d: DecisionConfig) -> dict:
     Ties on the objective: a speed or memory figure measured in interleaved trials ties the best when the paired
     test over the trials finds no significant difference or the difference is under decision.tie_tolerance; a
     figure without trials ties within decision.tie_tolerance. Among tied variants the lowest mean KLD wins."""
-    metric = BY_NAME[OBJECTIVES[d.objective]]
-    label = metric.label
+    label = LOAD_OBJECTIVES[d.objective][0] if d.objective in LOAD_OBJECTIVES else BY_NAME[OBJECTIVES[d.objective]].label
     ok = {n: v for n, v in variants.items() if v["status"] == "ok"}
     original = ok.get("original")
     points = {n: p for n, v in ok.items() if (p := pareto_point(v)) is not None}
@@ -238,6 +267,12 @@ def decide(variants: dict[str, dict], d: DecisionConfig) -> dict:
                            + (f" ({len(undecided)} undecided: {', '.join(undecided)})" if undecided else "")
                            + (f"; closest: {closest} ({failed_by.get(closest, '')})" if closest else ""),
                 "closest": closest, "reasons": {n: with_notes(r, n) for n, r in reasons.items()}}
+    if d.objective in LOAD_OBJECTIVES and all(objective_value(ok[n], d.objective) is None for n in passing):
+        return {**base, "variant": None, "closest": None,
+                "summary": f"objective {d.objective} needs the load sweep of this run (make load, or quantdrift "
+                           "command=load), and no variant meeting every constraint has a level meeting the "
+                           "workload's targets in it",
+                "reasons": {n: with_notes(r, n) for n, r in reasons.items()}}
     passing.sort(key=lambda n: (_rank_key(ok[n], d.objective), n))
     lead_name = passing[0]
     lead = _rank_key(ok[lead_name], d.objective)
@@ -254,7 +289,7 @@ def decide(variants: dict[str, dict], d: DecisionConfig) -> dict:
     best = min(tied, key=lambda n: (ok[n]["drift"]["kld_mean"] if ok[n]["drift"]["kld_mean"] is not None
                                     else float("inf"), n))
     passing = [best] + [n for n in passing if n != best]
-    worse_word = "lower" if metric.better == "higher" else "higher"
+    worse_word = "lower" if _better(d.objective) == "higher" else "higher"
 
     def tie_words(n: str) -> str:
         t = ties.get(n)

@@ -9,6 +9,9 @@ import json
 import sys
 from pathlib import Path
 
+# GPTQModel's CPU kernel classes: on CUDA tensors they still run (dequantizing every forward in torch), so a name
+# without "cpu" in it must not pass for a GPU kernel.
+CPU_KERNELS = ("TorchAtenLinear", "TorchAtenAwqLinear", "TorchFusedLinear", "TorchFusedAwqLinear")
 VARIANTS = ("original", "gguf_f16", "gguf_q4_k_m", "gptq_w4", "awq_w4", "original+kv_int8", "gguf_q8_0+kv_q8_0")
 
 
@@ -23,7 +26,7 @@ def problems(name: str, v: dict | None) -> list[str]:
     if not str(info.get("device", "")).startswith("cuda"):
         out.append(f"ran on {info.get('device')!r}, not cuda")
     kernel = str(info.get("kernel") or "")
-    if "cpu" in kernel.lower():
+    if "cpu" in kernel.lower() or any(k in kernel for k in CPU_KERNELS):
         out.append(f"kernel {kernel!r} is a CPU one")
     if "offloaded_layers" in info:          # a runtime that offloads layer by layer (llama.cpp) says how many
         layers = info["offloaded_layers"]

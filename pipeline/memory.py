@@ -43,7 +43,24 @@ def nvml_process_mb(pid: int) -> dict | None:
         pynvml.nvmlShutdown()
 
 
-def device_memory(device: str | None) -> dict | None:
+def nvml_device_used_mb(index: int = 0) -> float | None:
+    """Device-wide used memory (every process), for a fallback where NVML lists no processes (some sandboxes,
+    e.g. gVisor, report none): the probe child takes it before loading and after measuring."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used / 2**20
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def device_memory(device: str | None, baseline_used_mb: float | None = None) -> dict | None:
     """This process's device memory on a CUDA device, read where the work ran: NVML's per-process figure (llama.cpp,
     servers, the CUDA context: what the device must hold) and torch's caching-allocator peaks (in-process
     transformers work). ``peak_mb``: the larger of NVML's reading and torch's reserved peak. None off CUDA."""
@@ -66,9 +83,17 @@ def device_memory(device: str | None) -> dict | None:
     if nvml:
         out["nvml_process_mb"] = nvml["used_mb"]
         out["device_total_mb"] = out.get("device_total_mb") or nvml["device_total_mb"]
-    readings = [x for x in (out.get("nvml_process_mb"), out.get("torch_reserved_peak_mb")) if x]
+    if not nvml and baseline_used_mb is not None:
+        # no per-process figure: what the device holds now beyond what it held before this process loaded
+        # anything (the probe runs alone on the device; a lower bound of its peak, like NVML's own reading)
+        now = nvml_device_used_mb(int(str(device).split(":")[1]) if ":" in str(device) else 0)
+        if now is not None and now > baseline_used_mb:
+            out["nvml_device_delta_mb"] = now - baseline_used_mb
+    readings = [x for x in (out.get("nvml_process_mb"), out.get("nvml_device_delta_mb"),
+                            out.get("torch_reserved_peak_mb")) if x]
     out["peak_mb"] = max(readings) if readings else None
     out["source"] = " + ".join(s for s, k in (("NVML per-process", "nvml_process_mb"),
+                                                ("NVML device used minus the probe's baseline", "nvml_device_delta_mb"),
                                                 ("torch max_memory_reserved", "torch_reserved_peak_mb")) if k in out) \
         or "none (no NVML and no CUDA torch in this process)"
     return out

@@ -113,6 +113,9 @@ def _child(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     rcfg = RuntimeConfig(**spec["runtime_cfg"])
+    from pipeline.memory import nvml_device_used_mb
+
+    baseline = nvml_device_used_mb() if str(rcfg.device).startswith(("cuda", "auto")) else None
     t0 = time.perf_counter()
     rt = runtime_class(spec["runtime"])(Path(spec["artifact"]), spec["options"], rcfg, spec["trust_remote_code"])
     load_s = time.perf_counter() - t0
@@ -129,7 +132,7 @@ def _child(spec_path: str, out_path: str) -> None:
         if gen.decode_times_s:
             decode_rates.append(len(gen.decode_times_s) / sum(gen.decode_times_s))
     kv = rt.kv_cache_bytes()
-    device = device_memory(rt.info.get("device") or rcfg.device)     # None off CUDA
+    device = device_memory(rt.info.get("device") or rcfg.device, baseline)     # None off CUDA
     import numpy as np
 
     result = {

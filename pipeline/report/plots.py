@@ -182,6 +182,48 @@ def _recall_plot(plt, recall: dict, out_dir: Path, colors: dict[str, str]) -> No
     _save(fig, out_dir / "recall_by_depth.png")
 
 
+def _load_plots(plt, sweep: dict, out_dir: Path, colors: dict[str, str]) -> dict[str, str]:
+    """The load sweep: aggregate output tokens/s and ITL p99 against concurrency, one line per variant (its
+    colour in every plot), one panel per context depth, with the rounds' range as error bars."""
+    ok = {n: v for n, v in sweep["variants"].items() if v["status"] == "ok"}
+    if not ok:
+        return {}
+    depths = [str(d) for d in sweep["depths"]]
+    out = {}
+    for key, figure, scale, ylabel, title in (
+            ("load_throughput", "output_tokens_per_s", 1.0, "aggregate output tokens/s", "Throughput vs concurrency"),
+            ("load_itl", "itl_p99_s", 1e3, "ITL p99, ms", "Inter-token latency p99 vs concurrency")):
+        fig, axes = plt.subplots(1, len(depths), figsize=(5.2 * len(depths), 4.0), squeeze=False)
+        for ax, depth in zip(axes[0], depths):
+            for name, v in ok.items():
+                levels = (v["depths"].get(depth) or {}).get("levels") or {}
+                pts = [(int(c), f[figure], f.get(figure + "_interval")) for c, f in levels.items()
+                       if f.get(figure) is not None]
+                if not pts:
+                    continue
+                xs = [p[0] for p in pts]
+                ys = [p[1] * scale for p in pts]
+                lo = [max(0.0, (p[1] - p[2]["low"]) * scale) if p[2] else 0.0 for p in pts]
+                hi = [max(0.0, (p[2]["high"] - p[1]) * scale) if p[2] else 0.0 for p in pts]
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name, color=colors.get(name))
+                if figure == "output_tokens_per_s" and v["knee_reached"] and depth == str(v["slo_depth"]):
+                    k = v["knee_concurrency"]
+                    if str(k) in levels:
+                        ax.plot([k], [levels[str(k)][figure]], marker="*", markersize=14, color=colors.get(name))
+            if figure == "itl_p99_s" and sweep["workload"].get("max_itl_p99_s"):
+                ax.axhline(sweep["workload"]["max_itl_p99_s"] * 1e3, color="#444", linestyle=":",
+                           label="workload target")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{title}, context {depth}", fontsize=10)
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7)
+        _save(fig, out_dir / f"{key}.png")
+        out[key] = f"{key}.png"
+    return out
+
+
 def make_plots(summary: dict, out_dir: Path, history: list[dict] | None = None) -> dict[str, str]:
     import matplotlib
 
@@ -220,6 +262,8 @@ def make_plots(summary: dict, out_dir: Path, history: list[dict] | None = None) 
     if recall:
         _recall_plot(plt, recall, out_dir, colors)
         plots["recall_by_depth"] = "recall_by_depth.png"
+    if summary.get("load"):
+        plots.update(_load_plots(plt, summary["load"], out_dir, colors))
     return plots
 
 

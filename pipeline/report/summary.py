@@ -8,6 +8,8 @@ import time
 
 from pipeline.aggregate import SCHEMA_VERSION, capacity_plan, imatrix_effects, variant_summary
 from pipeline.calibration_sweep import load_sweep
+from pipeline.load import attach_load
+from pipeline.load import load_sweep as load_load
 from pipeline.catalogue import validate_summary
 from pipeline.config import Config
 from pipeline.decision import decide
@@ -38,6 +40,8 @@ def build_summary(cfg: Config) -> dict:
     for v in variants.values():
         if v["status"] == "ok":
             v["capacity"] = capacity_plan(v, facts, cfg.capacity)
+    load_sweep_ = load_load(cfg)
+    attach_load(variants, load_sweep_)
     origin = facts.get("origin", "")
     summary = {
         "schema_version": SCHEMA_VERSION,
@@ -53,6 +57,7 @@ def build_summary(cfg: Config) -> dict:
         "speed_noise": noise_floor(speed_run, cfg.decision.alpha),
         "imatrix_effects": imatrix_effects(variants, cfg.seed),
         "calibration_sweep": load_sweep(cfg),     # `quantdrift calibration` of this run, when it has run
+        "load": load_sweep_,                      # `quantdrift load` of this run, when it has run
         # per suite: the original's pass rate and whether flips carry signal there (from the first evaluated variant:
         # every variant is checked against the same reference replies)
         "suites": {suite: {k: p.get(k) for k in ("conversations", "checks", "reference_pass_rate",

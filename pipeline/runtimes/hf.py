@@ -108,9 +108,14 @@ class HFRuntime(FullLogitsRuntime):
             self.dtype = getattr(torch, options["dtype"])
         torch.set_num_threads(rcfg.n_threads)
         torch.manual_seed(0)
+        load = self._load_options(Path(artifact))
+        if self.device.startswith("cuda"):
+            # Load straight onto the GPU: a GPTQ/AWQ checkpoint picks its GPTQModel kernel for the device it is
+            # loaded on, and transformers' GPTQ quantizer assumes the CPU when no device_map is given (a CPU kernel
+            # class such as TorchAtenLinear, which .to("cuda") then only moves, dequantizing on every forward).
+            load.setdefault("device_map", {"": self.device})
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(artifact), dtype=self.dtype, trust_remote_code=trust_remote_code,
-            **self._load_options(Path(artifact)),
+            str(artifact), dtype=self.dtype, trust_remote_code=trust_remote_code, **load,
         ).to(self.device).eval()
         self._cache = None
         self._cache_ids: list[int] = []

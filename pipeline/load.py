@@ -1,0 +1,496 @@
+"""`make load` / `quantdrift command=load`: every variant measured the way it will be served.
+
+Each variant's artifact is served by a real engine with continuous batching (pipeline.engines: llama.cpp's
+``llama-server`` for GGUF files); a format without an engine on this device is reported as skipped with the reason.
+guidellm (pipeline.loadgen) drives the engine's OpenAI-compatible endpoint at a list of concurrency levels with the
+suites' own business text as prompts, at each context depth, with a fixed number of output tokens per request.
+
+Trials are interleaved: round r serves every variant once (a fresh server each time), so drift of the machine over
+the sweep lands on every variant alike; every figure is the median over rounds with an order-statistic interval.
+Memory is sampled from the server process while each level runs (host RSS; device memory from NVML on CUDA).
+
+Per variant the sweep yields the knee (the concurrency after which doubling adds less than ``load.knee_gain``
+aggregate output tokens/s), the largest concurrency meeting the workload's latency targets at its context depth,
+and ``throughput_at_slo``: the highest aggregate output tokens/s at a level that meets those targets and fits the
+memory budget. The advice: operate at or left of the knee, within the targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from pipeline.errors import ConfigError, Skip
+from pipeline.probe import _busy_jiffies
+from pipeline.stats import median_interval
+from pipeline.store import Journal, read_json, run_stage, stable_hash, write_json
+
+log = logging.getLogger(__name__)
+
+# the per-level figures of one trial (pipeline.loadgen's parse) that get a median and an interval over rounds
+LEVEL_FIGURES = ("output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+                 "e2e_p50_s", "e2e_p99_s", "peak_rss_mb", "device_peak_mb")
+# workload target -> (the level figure it limits, how a limit compares); every target is an upper limit
+TARGETS = {"max_ttft_p99_s": "ttft_p99_s", "max_itl_p99_s": "itl_p99_s", "max_e2e_p99_s": "e2e_p99_s"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the figures (pure functions, tested on synthetic sweeps)
+
+def level_table(trials: list[list[dict] | None]) -> dict[int, dict]:
+    """Per concurrency level, every figure's median over rounds with its interval and the rounds' values.
+    ``trials``: one list of per-level results per round (None for a round that failed)."""
+    by_level: dict[int, list[dict]] = {}
+    for levels in trials:
+        for row in levels or []:
+            by_level.setdefault(int(row["concurrency"]), []).append(row)
+    out = {}
+    for c in sorted(by_level):
+        rows = by_level[c]
+        fig = {"concurrency": c, "rounds": len(rows), "completed": sum(r.get("completed", 0) for r in rows),
+               "errored": sum(r.get("errored", 0) for r in rows)}
+        for k in LEVEL_FIGURES:
+            values = [r.get(k) for r in rows]
+            iv = median_interval([v for v in values if v is not None])
+            fig[k] = iv["estimate"] if iv else None
+            fig[f"{k}_interval"] = iv
+            fig[f"{k}_rounds"] = values
+        out[c] = fig
+    return out
+
+
+def knee(table: dict[int, dict], gain: float) -> dict:
+    """The knee of aggregate throughput against concurrency: the first level c after which the next level (about
+    double) adds less than ``gain`` (a fraction) output tokens/s. The gain of each step is the median over rounds
+    of the paired ratio (round r's next level over round r's level: measured back to back, so a slow round does
+    not fake a knee). ``reached`` is False when throughput still rose by ``gain`` at the highest level measured:
+    the knee lies beyond it."""
+    levels = sorted(c for c, f in table.items() if f.get("output_tokens_per_s"))
+    steps = []
+    for a, b in zip(levels, levels[1:]):
+        ra, rb = table[a]["output_tokens_per_s_rounds"], table[b]["output_tokens_per_s_rounds"]
+        ratios = [y / x for x, y in zip(ra, rb) if x and y]
+        iv = median_interval(ratios)
+        steps.append({"from": a, "to": b, "gain": (iv["estimate"] - 1) if iv else None,
+                      "gain_low": (iv["low"] - 1) if iv else None, "gain_high": (iv["high"] - 1) if iv else None})
+    for s in steps:
+        if s["gain"] is not None and s["gain"] < gain:
+            return {"concurrency": s["from"], "reached": True, "steps": steps, "knee_gain": gain}
+    return {"concurrency": levels[-1] if levels else None, "reached": False, "steps": steps, "knee_gain": gain}
+
+
+def judge_level(fig: dict, targets: dict) -> dict:
+    """Whether one level meets the workload's latency targets: "meets" when every target's interval lies at or
+    under its limit, "fails" when some interval lies wholly above, else "undecided" (a limit inside the noise
+    decides nothing). No targets: "meets"."""
+    verdict, why = "meets", []
+    for key, limit in targets.items():
+        if limit is None:
+            continue
+        figure = TARGETS[key]
+        iv = fig.get(f"{figure}_interval")
+        if not iv:
+            verdict = "fails" if verdict != "fails" else verdict
+            why.append(f"{figure} not measured (no request completed)")
+            continue
+        if iv["low"] > limit:
+            verdict = "fails"
+            why.append(f"{figure} {iv['estimate']:.3g} s > {limit:g} s")
+        elif iv["high"] > limit and verdict == "meets":
+            verdict = "undecided"
+            why.append(f"{figure} {iv['estimate']:.3g} s [{iv['low']:.3g}, {iv['high']:.3g}] straddles {limit:g} s")
+    return {"verdict": verdict, "why": why}
+
+
+def operating_point(table: dict[int, dict], targets: dict, memory_budget_mb: float | None, gain: float) -> dict:
+    """The knee, the largest concurrency meeting every target (levels above a failing one are not trusted: latency
+    only grows with load), and throughput_at_slo: the highest median aggregate output tokens/s among levels that
+    meet the targets and whose peak memory fits ``memory_budget_mb``. The recommendation: the knee, or the
+    largest level meeting the targets when that is lower."""
+    verdicts = {}
+    for c in sorted(table):
+        v = judge_level(table[c], targets)
+        peak = table[c].get("device_peak_mb") or table[c].get("peak_rss_mb")
+        if memory_budget_mb is not None and peak is not None and peak > memory_budget_mb:
+            v = {"verdict": "fails", "why": v["why"] + [f"peak memory {peak:.0f} MB > budget {memory_budget_mb:.0f} MB"]}
+        verdicts[c] = v
+    meeting = []
+    for c in sorted(table):
+        if verdicts[c]["verdict"] != "meets":
+            break
+        meeting.append(c)
+    k = knee(table, gain)
+    best = max(meeting, key=lambda c: table[c]["output_tokens_per_s"] or 0.0) if meeting else None
+    top = meeting[-1] if meeting else None
+    recommend = None
+    if top is not None and k["concurrency"] is not None:
+        recommend = min(top, k["concurrency"])
+    return {"knee": k, "verdicts": {str(c): v for c, v in verdicts.items()},
+            "max_concurrency_meeting_targets": top,
+            "throughput_at_slo": table[best]["output_tokens_per_s"] if best is not None else None,
+            "throughput_at_slo_interval": table[best]["output_tokens_per_s_interval"] if best is not None else None,
+            "throughput_at_slo_concurrency": best,
+            "recommended_concurrency": recommend}
+
+
+def levels_within(levels: list[int], fits: int | None) -> tuple[list[int], int | None]:
+    """The configured concurrency levels the capacity plan allows (at least the first one)."""
+    if fits is None:
+        return sorted(levels), None
+    kept = [c for c in sorted(levels) if c <= fits] or sorted(levels)[:1]
+    return kept, fits
+
+
+def sequences_that_fit(budget_bytes: float, headroom: float, weights_bytes: float, kv_bytes_per_token: float,
+                       ctx_per_slot: int, overhead_bytes: float = 0.0) -> int:
+    """The capacity plan's count of concurrent sequences of ``ctx_per_slot`` tokens that fit a budget."""
+    free = budget_bytes * (1 - headroom) - weights_bytes - overhead_bytes
+    return max(0, int(free // (kv_bytes_per_token * ctx_per_slot)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# memory while a level runs
+
+class MemorySampler:
+    """Samples a process's resident memory (and, on CUDA, its device memory from NVML) every ``interval_s`` in a
+    thread, so that each level's peak can be read from its own time window."""
+
+    def __init__(self, pid: int, gpu: bool = False, interval_s: float = 0.2):
+        self.pid, self.gpu, self.interval_s = pid, gpu, interval_s
+        self.samples: list[tuple[float, float | None, float | None]] = []   # (unix time, rss MB, device MB)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _rss_mb(self) -> float | None:
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+        except OSError:
+            return None
+        return None
+
+    def _device_mb(self) -> float | None:
+        if not self.gpu:
+            return None
+        from pipeline.memory import nvml_process_mb
+
+        reading = nvml_process_mb(self.pid)
+        return reading["used_mb"] if reading else None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self._rss_mb(), self._device_mb()))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def peak(self, start: float | None = None, end: float | None = None) -> tuple[float | None, float | None]:
+        """(peak RSS MB, peak device MB) over samples in [start, end] (the whole run without bounds)."""
+        inside = [s for s in self.samples if (start is None or s[0] >= start) and (end is None or s[0] <= end)]
+        inside = inside or self.samples
+        rss = [s[1] for s in inside if s[1] is not None]
+        dev = [s[2] for s in inside if s[2] is not None]
+        return (max(rss) if rss else None), (max(dev) if dev else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompts
+
+def load_prompts(renderer, suites: dict, depth: int, n: int, reserve: int = 48) -> list[str]:
+    """``n`` distinct prompts of about ``depth`` tokens once the chat template wraps them: consecutive windows of the
+    suites' turns (real business text), each decoded back to text. ``reserve``: tokens left for the template."""
+    from pipeline.run import probe_prompt
+
+    length = max(16, depth - reserve)
+    ids = probe_prompt(renderer, suites, n * length)
+    return [renderer.decode(ids[i * length:(i + 1) * length]) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the sweep
+
+def _serve_settings(cfg, variant) -> dict:
+    """The engine settings a variant's runtime options translate to (threads, flash attention, K/V cache types)."""
+    opts = dict(variant.runtime_options or {})
+    flash = cfg.runtime.flash_attn if opts.get("flash_attn") is None else bool(opts["flash_attn"])
+    return {"threads": cfg.runtime.n_threads, "flash_attn": flash, "n_batch": cfg.runtime.n_batch,
+            "cache_type_k": opts.get("cache_type_k", "f16"), "cache_type_v": opts.get("cache_type_v", "f16")}
+
+
+def _kv_bytes_per_token(facts: dict, settings: dict) -> float:
+    from pipeline.runtimes.llamacpp import _CACHE_BYTES
+
+    element = (_CACHE_BYTES[settings["cache_type_k"]] + _CACHE_BYTES[settings["cache_type_v"]]) / 2
+    return 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"] * element
+
+
+def memory_budget_mb(cfg, gpu: bool) -> float:
+    """load.memory_budget_gb, else the device's memory on CUDA, else the host's physical memory."""
+    lc = cfg.load
+    if lc.memory_budget_gb:
+        return lc.memory_budget_gb * 1e9 / 2**20
+    if gpu:
+        try:
+            import torch
+
+            return torch.cuda.get_device_properties(0).total_memory / 2**20
+        except Exception:
+            pass
+    import psutil
+
+    return psutil.virtual_memory().total / 2**20
+
+
+def run_load(cfg, generate=None) -> dict:
+    """Run (or resume) the sweep over ``cfg.run.variants``; writes ``load.json`` into the run's stage folder and
+    ``cfg.results_dir``; returns it. ``generate``: the load generator (pipeline.loadgen.run_guidellm; tests pass a
+    fake with the same signature)."""
+    from pipeline.conversation import ChatRenderer
+    from pipeline.engines import engine_class
+    from pipeline.llamatools import tool
+    from pipeline.prepare import prepare
+    from pipeline.quantizers import build_artifact
+    from pipeline.run import load_suites
+    from pipeline.runtimes.llamacpp import gguf_file
+
+    lc, wl = cfg.load, cfg.workload
+    if generate is None:
+        from pipeline.loadgen import run_guidellm as generate, guidellm_version
+        generator = guidellm_version()
+    else:
+        generator = getattr(generate, "version", "fake")
+    names = cfg.run.variants or [cfg.variant.name]
+    original = prepare(cfg.model, cfg.model_dir)
+    renderer = ChatRenderer(original.checkpoint, cfg.model.trust_remote_code, cfg.model.allow_plain_template)
+    suites = load_suites(cfg, original, renderer)
+    gpu = cfg.runtime.device.startswith("cuda")
+    depths = sorted(set(lc.depths) | {wl.context_tokens}) if lc.include_workload_depth else sorted(set(lc.depths))
+    budget_mb = memory_budget_mb(cfg, gpu)
+
+    # per variant: what serves it, or why nothing does
+    plans, skipped = {}, {}
+    for name in names:
+        from pipeline.bench import _variant_config
+
+        variant = _variant_config(cfg, name)
+        try:
+            engine = engine_class(variant.runtime)
+            artifact = build_artifact(variant, original, dataclasses.replace(cfg, variant=variant))
+            gguf = gguf_file(artifact.path)
+        except (Skip, ConfigError) as exc:
+            skipped[name] = f"{exc}" if "serving engine" in str(exc) else f"not served: {exc}"
+            log.warning("load: %s skipped: %s", name, skipped[name])
+            continue
+        settings = _serve_settings(cfg, variant)
+        ctx_per_slot = max(depths) + output_tokens(cfg) + lc.ctx_margin
+        kv_tok = _kv_bytes_per_token(original.facts, settings)
+        fits = sequences_that_fit(budget_mb * 2**20, cfg.capacity.headroom, gguf.stat().st_size, kv_tok,
+                                  ctx_per_slot)
+        levels, _ = levels_within(lc.concurrency, fits)
+        plans[name] = {"engine": engine, "gguf": gguf, "settings": settings, "levels": levels, "fits": fits,
+                       "output_tokens": output_tokens(cfg),
+                       "ctx_per_slot": ctx_per_slot, "kv_bytes_per_token": kv_tok,
+                       "file_hash": stable_hash({"file": gguf.name, "size": gguf.stat().st_size,
+                                                 "mtime": int(gguf.stat().st_mtime)})}
+    exe = tool("llama-server", cfg.bench.llama_tools) if plans else None
+    from pipeline.engines.llama_server import server_version
+
+    version = server_version(exe) if exe else ""
+    prompts = {d: load_prompts(renderer, suites, d, max(max(p["levels"]) for p in plans.values()) * 2)
+               for d in depths} if plans else {}
+    run_dir = cfg.model_dir / "runs" / cfg.run.name
+    out_dir, logs = run_dir / "load", run_dir / "load-logs"
+    key = {"variants": {n: {k: p[k] for k in ("settings", "levels", "ctx_per_slot", "file_hash")}
+                        for n, p in plans.items()},
+           "load": dataclasses.asdict(lc), "workload": dataclasses.asdict(wl), "depths": depths, "gpu": gpu,
+           "engine_version": version, "generator": generator,
+           "prompts": stable_hash(prompts)}
+
+    def build(tmp: Path) -> dict:
+        journal = Journal(out_dir, "trials", key)
+        order = list(plans)
+        for r in range(lc.repeats):
+            k = r % max(1, len(order))
+            for name in order[k:] + order[:k]:         # rotated by one place per round
+                item = f"{r}:{name}"
+                if item in journal:
+                    continue
+                log.info("load: round %d/%d: %s at concurrency %s, depths %s", r + 1, lc.repeats, name,
+                         plans[name]["levels"], depths)
+                try:
+                    trial = _trial(plans[name], exe, version, depths, prompts, lc, gpu, generate,
+                                   logs / f"{name}.r{r}.log")
+                except Exception as exc:    # one failed trial is reported; the other variants go on
+                    log.error("load trial %s failed: %s", item, exc)
+                    trial = {"error": f"{type(exc).__name__}: {exc}"}
+                journal.add(item, trial)
+        trials = {n: [journal.get(f"{r}:{n}") for r in range(lc.repeats)] for n in plans}
+        write_json(tmp / "load.json", summarize(trials, plans, skipped, depths, cfg, budget_mb, version, generator))
+        return {"variants": len(plans), "skipped": len(skipped)}
+
+    run_stage("load", out_dir, key, build, force=cfg.force)
+    result = read_json(out_dir / "load.json")
+    result["logs"] = str(logs)
+    write_json(cfg.results_dir / "load.json", result)
+    return result
+
+
+def _trial(plan: dict, exe: Path, version: str, depths: list[int], prompts: dict, lc, gpu: bool, generate,
+           log_path: Path) -> dict:
+    """One round of one variant: a fresh server, then every depth's levels, with memory sampled per level."""
+    engine = plan["engine"]
+    s = plan["settings"]
+    server = engine(exe, plan["gguf"], threads=s["threads"], slots=max(plan["levels"]),
+                    ctx_per_slot=plan["ctx_per_slot"], flash_attn=s["flash_attn"],
+                    cache_type_k=s["cache_type_k"], cache_type_v=s["cache_type_v"], gpu=gpu,
+                    n_batch=s["n_batch"], log_path=log_path, version=version)
+    out: dict = {"depths": {}}
+    t0 = time.perf_counter()
+    busy0, ours0 = _busy_jiffies(), _own_cpu_s()
+    with server, MemorySampler(server.proc.pid, gpu) as sampler:
+        for depth in depths:
+            levels = generate(server.url, prompts[depth], levels=plan["levels"], output_tokens=plan["output_tokens"],
+                              requests_per_stream=lc.requests_per_stream, min_requests=lc.min_requests,
+                              max_seconds=lc.max_seconds_per_level, workdir=log_path.parent)
+            for row in levels:
+                rss, dev = sampler.peak(row.get("start_time"), row.get("end_time"))
+                row["peak_rss_mb"], row["device_peak_mb"] = rss, dev
+            out["depths"][str(depth)] = levels
+        out["server_peak_rss_mb"] = server.peak_rss_mb()
+    out["wall_s"] = time.perf_counter() - t0
+    busy1, ours1 = _busy_jiffies(), _own_cpu_s()
+    if busy0 is not None and busy1 is not None and out["wall_s"] > 0:
+        others = max(0.0, (busy1 - busy0) / os.sysconf("SC_CLK_TCK") - (ours1 - ours0))
+        out["cpu_noise"] = others / (out["wall_s"] * (os.cpu_count() or 1))
+    return out
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its finished children (the server and guidellm with its workers, once
+    waited for): subtracted from the machine's busy time, the rest is other processes' (the trial's noise)."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def summarize(trials: dict, plans: dict, skipped: dict, depths: list[int], cfg, budget_mb: float, version: str,
+              generator: str) -> dict:
+    """load.json: per variant and depth the level table, the knee and the operating point; skipped variants with
+    their reasons; the sweep's settings."""
+    lc, wl = cfg.load, cfg.workload
+    targets = {k: getattr(wl, k) for k in TARGETS}
+    variants = {}
+    for name, rounds in trials.items():
+        plan = plans[name]
+        errors = [t["error"] for t in rounds if t and "error" in t]
+        good = [t for t in rounds if t and "error" not in t]
+        if not good:
+            variants[name] = {"status": "failed", "reason": errors[0] if errors else "no trial ran"}
+            continue
+        per_depth = {}
+        for d in depths:
+            table = level_table([t["depths"].get(str(d)) for t in good])
+            per_depth[str(d)] = {"levels": {str(c): f for c, f in table.items()},
+                                 "operating_point": operating_point(table, targets, budget_mb, lc.knee_gain)}
+        at = str(slo_depth(depths, wl.context_tokens))
+        op = per_depth[at]["operating_point"]
+        variants[name] = {
+            "status": "ok", "engine": plan["engine"].name, "engine_version": version,
+            "settings": {**plan["settings"], "slots": max(plan["levels"]), "ctx_per_slot": plan["ctx_per_slot"]},
+            "levels": plan["levels"], "capacity_fits": plan["fits"], "rounds": len(good), "errors": errors,
+            "cpu_noise_rounds": [t.get("cpu_noise") for t in good],
+            "depths": per_depth, "slo_depth": int(at),
+            "throughput_at_slo": op["throughput_at_slo"],
+            "throughput_at_slo_interval": op["throughput_at_slo_interval"],
+            "throughput_at_slo_concurrency": op["throughput_at_slo_concurrency"],
+            "knee_concurrency": op["knee"]["concurrency"], "knee_reached": op["knee"]["reached"],
+            "recommended_concurrency": op["recommended_concurrency"],
+        }
+    for name, why in skipped.items():
+        variants[name] = {"status": "skipped", "reason": why}
+    return {"workload": dataclasses.asdict(wl), "depths": depths, "concurrency": list(lc.concurrency),
+            "output_tokens": output_tokens(cfg), "repeats": lc.repeats, "knee_gain": lc.knee_gain,
+            "memory_budget_mb": budget_mb, "generator": generator, "profile": lc.name, "variants": variants}
+
+
+def output_tokens(cfg) -> int:
+    """Tokens generated per request: load.output_tokens, else the workload's."""
+    return cfg.load.output_tokens or cfg.workload.output_tokens
+
+
+def slo_depth(depths: list[int], context_tokens: int) -> int:
+    """The measured depth the workload's targets are judged at: its own context, else the deepest shallower one."""
+    return context_tokens if context_tokens in depths else max([d for d in depths if d <= context_tokens] or depths[:1])
+
+
+def load_sweep(cfg) -> dict | None:
+    """This run's load.json when `quantdrift command=load` has run (the summary and report read it)."""
+    path = cfg.results_dir / "load.json"
+    return read_json(path) if path.is_file() else None
+
+
+def format_load(result: dict) -> str:
+    """The sweep as text: per variant and depth, one line per level; then knee, targets and throughput_at_slo."""
+    wl = result["workload"]
+    lines = [f"load sweep ({result['profile']}), workload {wl['name']}: {result['output_tokens']} output tokens per "
+             f"request, {result['repeats']} interleaved rounds, generator {result['generator']}"]
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    for name, v in result["variants"].items():
+        if v["status"] != "ok":
+            lines.append(f"{name}: {v['status']}: {v['reason']}")
+            continue
+        lines.append(f"{name} on {v['engine']} ({v['settings']['threads']} threads, {v['settings']['slots']} slots, "
+                     f"KV {v['settings']['cache_type_k']}/{v['settings']['cache_type_v']}):")
+        for depth, block in v["depths"].items():
+            lines.append(f"  context {depth}: {'conc':>5}{'out tok/s':>11}{'req/s':>7}{'TTFT p50/p99 s':>17}"
+                         f"{'ITL p50/p99 ms':>17}{'e2e p99 s':>11}{'peak MB':>9}  verdict")
+            for c, f in block["levels"].items():
+                verdict = block["operating_point"]["verdicts"][c]["verdict"]
+                lines.append(f"  {'':<{9 + len(depth)}}{c:>5}{fmt(f['output_tokens_per_s'], '11.1f')}"
+                             f"{fmt(f['requests_per_s'], '7.2f')}"
+                             f"{fmt(f['ttft_p50_s'], '8.2f')}/{fmt(f['ttft_p99_s'], '<8.2f')}"
+                             f"{fmt(f['itl_p50_s'] and f['itl_p50_s'] * 1e3, '8.0f')}/"
+                             f"{fmt(f['itl_p99_s'] and f['itl_p99_s'] * 1e3, '<8.0f')}"
+                             f"{fmt(f['e2e_p99_s'], '11.2f')}{fmt(f['device_peak_mb'] or f['peak_rss_mb'], '9.0f')}"
+                             f"  {verdict}")
+        knee_txt = (f"knee at {v['knee_concurrency']}" if v["knee_reached"]
+                    else f"no knee up to {v['knee_concurrency']}")
+        slo = (f"throughput at the targets {v['throughput_at_slo']:.1f} tok/s at {v['throughput_at_slo_concurrency']}"
+               if v["throughput_at_slo"] is not None else "no level meets the targets")
+        rec = (f"run at up to {v['recommended_concurrency']} concurrent requests"
+               if v["recommended_concurrency"] else "no recommendation")
+        lines.append(f"  {knee_txt} (context {v['slo_depth']}); {slo}; {rec}")
+    return "\n".join(lines)
+
+
+def attach_load(variants: dict, sweep: dict | None) -> None:
+    """Give each evaluated variant of the summary its served-load figures (``v["load"]``: throughput_at_slo with its
+    interval, the concurrency it was reached at, the knee, the recommendation, the workload), or the reason it has
+    none, so that the decision can rank by throughput_at_slo."""
+    if not sweep:
+        return
+    for name, v in variants.items():
+        if v.get("status") != "ok":
+            continue
+        lv = sweep["variants"].get(name)
+        if lv is None:
+            v["load"] = {"status": "skipped", "reason": "not in this run's load sweep", "workload": sweep["workload"]["name"]}
+        elif lv["status"] != "ok":
+            v["load"] = {"status": lv["status"], "reason": lv["reason"], "workload": sweep["workload"]["name"]}
+        else:
+            v["load"] = {"status": "ok", "workload": sweep["workload"]["name"], "engine": lv["engine"],
+                         **{k: lv[k] for k in ("throughput_at_slo", "throughput_at_slo_interval",
+                                               "throughput_at_slo_concurrency", "knee_concurrency", "knee_reached",
+                                               "recommended_concurrency", "slo_depth")}}

@@ -1,0 +1,175 @@
+"""guidellm (vllm-project's load generator) against an engine's OpenAI-compatible endpoint: one concurrency level
+per invocation, so a hung level or a dead server costs one level and the server can be checked idle between levels.
+
+Per level: ``concurrency`` streams keep that many chat-completion requests in flight; the prompts are the suites'
+business text; every request generates exactly ``output_tokens`` tokens (the data column
+``output_tokens_count`` makes guidellm send ``max_completion_tokens`` with ``ignore_eos``); the server's prompt cache
+is off per request (``cache_prompt=false``: guidellm restarts the prompt list at every level, and a repeated prompt
+served from the cache would flatter TTFT). A level ends after max(min_requests, concurrency x requests_per_stream)
+requests have finished (``max_requests``: no request is cancelled, the last ones run at a lower concurrency), or at
+``max_seconds`` (then in-flight requests are cancelled and reported incomplete).
+
+guidellm reads token counts from the server's ``usage``; with a JSON-file dataset it loads no tokenizer, so it never
+touches the hub (HF_HUB_OFFLINE is set for it all the same). Measured here: guidellm itself uses about half a core,
+on the same machine as a CPU server it measures; each level spends a few seconds spawning its workers (not counted
+in the level's window)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from pipeline.children import child_options
+
+log = logging.getLogger(__name__)
+
+
+def guidellm_exe() -> Path:
+    """guidellm's console script beside this interpreter (it is a dependency of the project)."""
+    exe = Path(sys.executable).parent / "guidellm"
+    if not exe.is_file():
+        from pipeline.errors import ConfigError
+
+        raise ConfigError(f"guidellm is not installed beside {sys.executable}: run `make setup` (pyproject.toml "
+                          "lists guidellm)")
+    return exe
+
+
+def guidellm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"guidellm {version('guidellm')}"
+    except PackageNotFoundError:
+        return "guidellm (not installed)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# guidellm 0.8.1's JSON report (``--output kind=json``), per benchmark (= level)
+
+def _get(d, path: str, where: str):
+    cur = d
+    for part in path.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            raise ValueError(f"guidellm report: missing {path!r} in {where} (at {part!r}); not a guidellm 0.8 JSON "
+                             "report?")
+        cur = cur[part]
+    return cur
+
+
+def _num(d, path: str, where: str) -> float:
+    v = _get(d, path, where)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"guidellm report: {path!r} in {where} is {v!r}, expected a number")
+    return float(v)
+
+
+def parse_guidellm(report: dict) -> list[dict]:
+    """One dict per level, times in seconds: concurrency, completed / errored / incomplete requests,
+    output_tokens_per_s (every token streamed inside the level's window / its duration), requests_per_s,
+    TTFT / ITL / end-to-end latency p50 and p99 (successful requests only; None when the level completed none:
+    guidellm writes 0.0 there), duration_s, output_tokens_per_request, start_time / end_time (unix seconds)."""
+    if not isinstance(report, dict) or not isinstance(report.get("benchmarks"), list):
+        raise ValueError("guidellm report: expected a JSON object with a 'benchmarks' list")
+    if not report["benchmarks"]:
+        raise ValueError("guidellm report: 'benchmarks' is empty (no level ran)")
+    rows = []
+    for i, b in enumerate(report["benchmarks"]):
+        where = f"benchmarks[{i}]"
+        strategy = _get(b, "config.strategy", where)
+        streams = strategy.get("streams") if isinstance(strategy, dict) else None
+        if not isinstance(streams, int):
+            raise ValueError(f"guidellm report: {where}.config.strategy has no integer 'streams' (type "
+                             f"{strategy.get('type_') if isinstance(strategy, dict) else strategy!r}): run guidellm "
+                             "with --profile kind=concurrent")
+        m = _get(b, "metrics", where)
+        mw = where + ".metrics"
+        completed = int(_num(m, "request_totals.successful", mw))
+        has = completed > 0
+
+        def pct(name: str, p: str, scale: float) -> float | None:
+            v = _num(m, f"{name}.successful.percentiles.{p}", mw) * scale
+            return v if has else None
+
+        rows.append({
+            "concurrency": streams, "completed": completed,
+            "errored": int(_num(m, "request_totals.errored", mw)),
+            "incomplete": int(_num(m, "request_totals.incomplete", mw)),
+            "output_tokens_per_s": _num(m, "output_tokens_per_second.total.mean", mw),
+            "requests_per_s": _num(m, "requests_per_second.successful.mean", mw),
+            "ttft_p50_s": pct("time_to_first_token_ms", "p50", 1e-3),
+            "ttft_p99_s": pct("time_to_first_token_ms", "p99", 1e-3),
+            "itl_p50_s": pct("inter_token_latency_ms", "p50", 1e-3),
+            "itl_p99_s": pct("inter_token_latency_ms", "p99", 1e-3),
+            "e2e_p50_s": pct("request_latency", "p50", 1.0),       # guidellm gives this one in seconds
+            "e2e_p99_s": pct("request_latency", "p99", 1.0),
+            "duration_s": _num(b, "duration", where),
+            "output_tokens_per_request": _num(m, "output_token_count.successful.mean", mw) if has else None,
+            "prompt_tokens_per_request": _num(m, "prompt_token_count.successful.mean", mw) if has else None,
+            "start_time": _num(b, "start_time", where), "end_time": _num(b, "end_time", where),
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def wait_idle(url: str, timeout_s: float = 60.0) -> bool:
+    """Until no slot of a llama-server is processing (a level cut at its deadline leaves requests running for a
+    while); True when idle, False on timeout or an engine without ``/slots``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/slots", timeout=5) as r:
+                slots = json.loads(r.read())
+        except Exception:
+            return False
+        if not any(s.get("is_processing") for s in slots):
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_tokens: int, requests_per_stream: int,
+                 min_requests: int, max_seconds: float, workdir: Path) -> list[dict]:
+    """Every level in increasing order, one guidellm run each (see the module docstring); returns
+    ``parse_guidellm``'s rows. A level whose guidellm run fails raises with the tail of its log."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    data = workdir / f"prompts-{os.getpid()}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "output_tokens_count": output_tokens}) + "\n" for p in prompts))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    rows = []
+    try:
+        for c in sorted(levels):
+            wait_idle(url)
+            count = max(min_requests, c * requests_per_stream)
+            out = workdir / f"guidellm-{os.getpid()}-c{c}.json"
+            errlog = workdir / f"guidellm-c{c}.log"
+            cmd = [str(guidellm_exe()), "run",
+                   "--backend", f"kind=openai_http,target={url},timeout={int(max_seconds)},extras.body.cache_prompt=false",
+                   "--profile", f"kind=concurrent,streams={c}",
+                   "--constraint", f"kind=max_requests,count={count}",
+                   "--constraint", f"kind=max_duration,seconds={int(max_seconds)}",
+                   "--data", f"kind=json_file,path={data}", "--output", f"kind=json,path={out}",
+                   "--disable-console"]
+            with open(errlog, "w") as fh:
+                proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=max_seconds + 300,
+                                      **child_options())
+            if proc.returncode != 0 or not out.is_file():
+                tail = "\n".join(errlog.read_text(errors="replace").strip().splitlines()[-8:])
+                raise RuntimeError(f"guidellm failed at concurrency {c} (exit {proc.returncode}): {' '.join(cmd)}\n"
+                                   f"{tail}")
+            level = parse_guidellm(json.loads(out.read_text()))
+            out.unlink()
+            rows += level
+            log.info("load: concurrency %d: %d requests, %.1f output tok/s", c, level[0]["completed"],
+                     level[0]["output_tokens_per_s"])
+    finally:
+        data.unlink(missing_ok=True)
+    return rows

@@ -1,0 +1,300 @@
+"""The served-load sweep: the knee and the SLO decision on hand-built sweeps, the engine's lifecycle (start, health,
+stop, no server left after a kill), and the whole sweep on the tiny model with a load generator that sends real
+requests to the real llama-server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from pipeline.load import judge_level, knee, level_table, levels_within, operating_point, sequences_that_fit
+
+
+def rows(levels: dict[int, dict]) -> list[dict]:
+    return [{"concurrency": c, "completed": 4, "errored": 0, **f} for c, f in levels.items()]
+
+
+def sweep(throughputs: dict[int, list[float]], itl_p99: dict[int, list[float]] | None = None,
+          ttft_p99: dict[int, list[float]] | None = None) -> dict[int, dict]:
+    """A level table from per-level, per-round figures."""
+    rounds = len(next(iter(throughputs.values())))
+    trials = []
+    for r in range(rounds):
+        trials.append(rows({c: {"output_tokens_per_s": t[r],
+                                "itl_p99_s": (itl_p99 or {}).get(c, [0.02] * rounds)[r],
+                                "ttft_p99_s": (ttft_p99 or {}).get(c, [0.2] * rounds)[r],
+                                "peak_rss_mb": 300.0 + c} for c, t in throughputs.items()}))
+    return level_table(trials)
+
+
+def test_level_table_takes_the_median_over_rounds_with_the_rounds_range():
+    table = sweep({1: [100, 90, 110], 2: [150, 160, 140]})
+    assert table[1]["output_tokens_per_s"] == 100
+    assert table[1]["output_tokens_per_s_interval"]["low"] == 90
+    assert table[1]["output_tokens_per_s_interval"]["high"] == 110
+    assert table[2]["rounds"] == 3 and table[2]["completed"] == 12
+
+
+def test_the_knee_is_where_doubling_stops_paying():
+    # 1 -> 2: +60 %, 2 -> 4: +30 %, 4 -> 8: +5 %, 8 -> 16: -2 %
+    table = sweep({1: [100, 100, 100], 2: [160, 158, 162], 4: [208, 205, 210], 8: [218, 216, 220],
+                   16: [214, 212, 215]})
+    k = knee(table, 0.10)
+    assert k["reached"] and k["concurrency"] == 4
+    assert [round(s["gain"], 2) for s in k["steps"]][:3] == [0.6, 0.3, 0.05]
+
+
+def test_no_knee_while_throughput_still_rises_at_the_highest_level():
+    k = knee(sweep({1: [100] * 3, 2: [180] * 3, 4: [300] * 3}), 0.10)
+    assert not k["reached"] and k["concurrency"] == 4
+
+
+def test_the_knee_uses_paired_gains_so_a_slow_round_does_not_fake_one():
+    # round 2 ran on a slow machine at every level; within each round doubling still gains 40 %
+    table = sweep({1: [100, 50, 100], 2: [140, 70, 140], 4: [196, 98, 196]})
+    assert not knee(table, 0.10)["reached"]
+
+
+def test_a_level_meets_fails_or_is_undecided_by_its_range_against_the_target():
+    targets = {"max_itl_p99_s": 0.1, "max_ttft_p99_s": None, "max_e2e_p99_s": None}
+    table = sweep({1: [100] * 3, 2: [150] * 3, 4: [170] * 3},
+                  itl_p99={1: [0.05, 0.06, 0.07], 2: [0.08, 0.11, 0.09], 4: [0.12, 0.13, 0.15]})
+    assert judge_level(table[1], targets)["verdict"] == "meets"
+    assert judge_level(table[2], targets)["verdict"] == "undecided"   # the range 0.08-0.11 straddles 0.1
+    assert judge_level(table[4], targets)["verdict"] == "fails"
+
+
+def test_throughput_at_slo_is_the_best_level_meeting_every_target_and_the_memory_budget():
+    targets = {"max_itl_p99_s": 0.1, "max_ttft_p99_s": 1.0, "max_e2e_p99_s": None}
+    table = sweep({1: [100] * 3, 2: [160] * 3, 4: [210] * 3, 8: [230] * 3},
+                  itl_p99={1: [0.03] * 3, 2: [0.04] * 3, 4: [0.06] * 3, 8: [0.2] * 3})
+    op = operating_point(table, targets, memory_budget_mb=10_000, gain=0.10)
+    assert op["max_concurrency_meeting_targets"] == 4
+    assert op["throughput_at_slo"] == 210 and op["throughput_at_slo_concurrency"] == 4
+    assert op["knee"]["concurrency"] == 4 and op["recommended_concurrency"] == 4
+    # the same sweep on a box whose budget the 4-stream level's memory (304 MB) exceeds
+    tight = operating_point(table, targets, memory_budget_mb=303.5, gain=0.10)
+    assert tight["throughput_at_slo_concurrency"] == 2
+    assert "budget" in " ".join(tight["verdicts"]["4"]["why"])
+
+
+def test_levels_above_a_failing_one_are_not_trusted_to_meet_the_targets():
+    targets = {"max_itl_p99_s": 0.1, "max_ttft_p99_s": None, "max_e2e_p99_s": None}
+    table = sweep({1: [100] * 3, 2: [150] * 3, 4: [170] * 3},
+                  itl_p99={1: [0.05] * 3, 2: [0.5] * 3, 4: [0.05] * 3})
+    op = operating_point(table, targets, None, 0.10)
+    assert op["max_concurrency_meeting_targets"] == 1 and op["throughput_at_slo"] == 100
+
+
+def test_no_level_meeting_the_targets_gives_no_throughput_and_no_recommendation():
+    table = sweep({1: [100] * 3, 2: [150] * 3}, ttft_p99={1: [3.0] * 3, 2: [5.0] * 3})
+    op = operating_point(table, {"max_ttft_p99_s": 1.0, "max_itl_p99_s": None, "max_e2e_p99_s": None}, None, 0.1)
+    assert op["throughput_at_slo"] is None and op["recommended_concurrency"] is None
+
+
+def test_the_capacity_plan_caps_the_concurrency_levels():
+    per_tok = 2 * 30 * 3 * 64 * 2.0       # SmolLM2's f16 KV: 23 KB per token
+    fits = sequences_that_fit(2e9, 0.2, 145e6, per_tok, 4096 + 128 + 64)
+    assert fits == int((2e9 * 0.8 - 145e6) // (per_tok * 4288))
+    assert levels_within([1, 2, 4, 8, 16, 32], 9) == ([1, 2, 4, 8], 9)
+    assert levels_within([4, 8], 1) == ([4], 1)           # the first level is always measured
+
+
+def test_the_decision_ranks_by_throughput_at_slo_and_names_the_workload():
+    from pipeline.config import DecisionConfig
+    from pipeline.decision import decide
+    from tests.test_decision import _variant as make_variant
+
+    def with_load(v, thr, lo, hi, conc):
+        v["load"] = {"status": "ok", "workload": "chat", "engine": "llama-server", "throughput_at_slo": thr,
+                     "throughput_at_slo_interval": {"estimate": thr, "low": lo, "high": hi, "units": 3},
+                     "throughput_at_slo_concurrency": conc, "knee_concurrency": conc, "knee_reached": True,
+                     "recommended_concurrency": conc, "slo_depth": 2048}
+        return v
+
+    variants = {"a": with_load(make_variant(0.02, 100.0, 500.0), 200.0, 190.0, 210.0, 4),
+                "b": with_load(make_variant(0.03, 150.0, 400.0), 300.0, 290.0, 310.0, 8),
+                "c": make_variant(0.01, 90.0, 600.0)}       # no load figures: ranks last
+    out = decide(variants, DecisionConfig(objective="throughput_at_slo", max_kld_mean=0.1, confidence="point",
+                                          max_pass_drop_p=None))
+    assert out["variant"] == "b"
+    assert "workload chat" in out["summary"] and "8 concurrent" in out["summary"]
+    # overlapping ranges over the rounds are a tie: the lower drift wins
+    variants["a"]["load"]["throughput_at_slo_interval"]["high"] = 295.0
+    out = decide(variants, DecisionConfig(objective="throughput_at_slo", max_kld_mean=0.1, confidence="point",
+                                          max_pass_drop_p=None))
+    assert out["variant"] == "a" and out["ties"]["a"]["tied"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the engine, for real
+
+@pytest.fixture(scope="module")
+def server_exe():
+    from pipeline.llamatools import tool
+
+    try:
+        return tool("llama-server")
+    except Exception as exc:
+        pytest.skip(f"llama-server is not built on this machine ({exc}); `make test` builds it")
+
+
+def _chat(url: str, text: str, max_tokens: int) -> dict:
+    body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gguf, tmp_path):
+    from pipeline.engines.llama_server import LlamaServer, pids_of
+
+    before = set(pids_of(server_exe))
+    server = LlamaServer(server_exe, embedded_gguf, threads=1, slots=2, ctx_per_slot=256, flash_attn=True,
+                         log_path=tmp_path / "server.log")
+    with server:
+        assert server.healthy()
+        pid = server.proc.pid
+        reply = _chat(server.url, "Confirm order PO-4471 for 12 pallets.", 8)
+        assert reply["usage"]["completion_tokens"] == 8
+        assert server.peak_rss_mb() > 50
+    assert not server.healthy()
+    assert set(pids_of(server_exe)) - before == set()
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    assert "--cont-batching" in (tmp_path / "server.log").read_text()
+
+
+def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_nothing(server_exe, tmp_path):
+    from pipeline.engines.llama_server import LlamaServer, ServerError, pids_of
+
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    before = set(pids_of(server_exe))
+    with pytest.raises(ServerError, match="exited with status"):
+        with LlamaServer(server_exe, bad, threads=1, slots=1, ctx_per_slot=128, flash_attn=False,
+                         log_path=tmp_path / "bad.log", startup_timeout_s=30):
+            pass
+    assert set(pids_of(server_exe)) - before == set()
+
+
+def test_no_server_outlives_a_run_killed_with_sigkill(server_exe, embedded_gguf, tmp_path):
+    from pipeline.engines.llama_server import pids_of
+
+    script = f"""
+import sys, time
+from pathlib import Path
+from pipeline.engines.llama_server import LlamaServer
+with LlamaServer(Path({str(server_exe)!r}), Path({str(embedded_gguf)!r}), threads=1, slots=1, ctx_per_slot=128,
+                 flash_attn=True, log_path=Path({str(tmp_path / 'k.log')!r})) as s:
+    print(s.proc.pid, flush=True)
+    time.sleep(600)
+"""
+    before = set(pids_of(server_exe))
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                           cwd=str(__import__("pipeline").__path__[0] + "/.."))
+    try:
+        pid = int(run.stdout.readline())
+        assert pid in pids_of(server_exe)
+        os.kill(run.pid, signal.SIGKILL)          # no finally, no atexit: only the parent-death signal is left
+        run.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while pid in pids_of(server_exe) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pid not in pids_of(server_exe)
+        assert set(pids_of(server_exe)) - before == set()
+    finally:
+        if run.poll() is None:
+            run.kill()
+
+
+def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reason(server_exe, tiny_cfg):
+    """run_load on the tiny model: gguf_q8_0 served by the real llama-server (a fresh one per round) under a load
+    generator that sends real requests at each level; the original (transformers) is skipped with its reason; the
+    summary, report section and plots come out; every server is stopped."""
+    from pipeline.engines.llama_server import pids_of
+    from pipeline.load import format_load, run_load
+
+    calls = []
+
+    def generate(url, prompts, *, levels, output_tokens, requests_per_stream, min_requests, max_seconds, workdir):
+        out = []
+        for c in levels:
+            start = time.time()
+            for p in prompts[:c]:
+                reply = _chat(url, p, output_tokens)
+                assert reply["usage"]["completion_tokens"] == output_tokens
+            end = time.time()
+            calls.append((url, c, len(prompts[0])))
+            wall = max(end - start, 1e-6)
+            out.append({"concurrency": c, "completed": c, "errored": 0, "start_time": start, "end_time": end,
+                        "output_tokens_per_s": c * output_tokens / wall, "requests_per_s": c / wall,
+                        "ttft_p50_s": 0.01, "ttft_p99_s": 0.02, "itl_p50_s": 0.001 * c, "itl_p99_s": 0.002 * c,
+                        "e2e_p50_s": wall, "e2e_p99_s": wall})
+        return out
+
+    generate.version = "test generator"
+    before = set(pids_of(server_exe))
+    cfg = tiny_cfg("command=load", "run.variants=[original,gguf_q8_0]", "load.repeats=2", "load.concurrency=[1,2]",
+                   "load.depths=[64]", "load.output_tokens=4", "runtime.threads=1")
+    result = run_load(cfg, generate=generate)
+    assert set(pids_of(server_exe)) - before == set()
+    assert result["variants"]["original"]["status"] == "skipped"
+    assert "no serving engine for 'hf'" in result["variants"]["original"]["reason"]
+    q8 = result["variants"]["gguf_q8_0"]
+    assert q8["status"] == "ok" and q8["rounds"] == 2 and q8["engine"] == "llama-server"
+    assert len({url for url, *_ in calls}) == 2          # a fresh server (a new port) per round
+    assert set(q8["depths"]["64"]["levels"]) == {"1", "2"}
+    assert q8["depths"]["64"]["levels"]["1"]["peak_rss_mb"] > 10      # sampled from the server while it ran
+    assert (cfg.results_dir / "load.json").is_file()
+    assert "gguf_q8_0 on llama-server" in format_load(result)
+    # the report's section and plots (one line per variant, the same colour as in every other plot)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pipeline.report.plots import _load_plots
+    from pipeline.report.sections import _load_section
+
+    key, title, blocks = _load_section({"load": result})
+    text = json.dumps(blocks)
+    assert key == "load" and "gguf_q8_0" in text and "no serving engine" in text and "workload" in text.lower()
+    plots = _load_plots(plt, result, cfg.results_dir, {"gguf_q8_0": "#1f77b4", "original": "#ff7f0e"})
+    assert set(plots) == {"load_throughput", "load_itl"}
+    assert all((cfg.results_dir / f).stat().st_size > 1000 for f in plots.values())
+    # resumable: a second call reuses the stage
+    calls.clear()
+    run_load(cfg, generate=generate)
+    assert calls == []
+
+
+def test_guidellm_reports_are_parsed_per_level_in_seconds():
+    """A real guidellm 0.8.1 report (llama-server, Q8_0, 1/2/4 streams, 32 output tokens; trimmed)."""
+    from pathlib import Path
+
+    from pipeline.loadgen import parse_guidellm
+
+    report = json.loads((Path(__file__).parent / "data" / "guidellm_0.8.1_concurrent.json").read_text())
+    rows = parse_guidellm(report)
+    assert [r["concurrency"] for r in rows] == [1, 2, 4]
+    one = rows[0]
+    assert one["completed"] == 7 and one["errored"] == 0
+    assert one["output_tokens_per_request"] == 32
+    assert 0.5 < one["ttft_p50_s"] < 2 and 0.005 < one["itl_p50_s"] < 0.1      # ms in the JSON, seconds here
+    assert one["e2e_p99_s"] >= one["e2e_p50_s"] > one["ttft_p50_s"]            # seconds in the JSON already
+    assert one["end_time"] > one["start_time"]
+    # a level that completed nothing has no latencies (guidellm writes 0.0 there)
+    empty = json.loads(json.dumps(report))
+    empty["benchmarks"][0]["metrics"]["request_totals"]["successful"] = 0
+    assert parse_guidellm(empty)[0]["ttft_p99_s"] is None
+    del empty["benchmarks"][1]["metrics"]["request_latency"]
+    with pytest.raises(ValueError, match="request_latency"):
+        parse_guidellm(empty)
