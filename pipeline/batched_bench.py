@@ -37,7 +37,10 @@ def parse_batched_bench(text: str) -> dict[int, dict]:
         row = json.loads(line)
         out[int(row["pl"])] = {"decode_tokens_per_s": float(row["speed_tg"]),
                                "prefill_tokens_per_s": float(row["speed_pp"]), "pp": int(row["pp"]),
-                               "tg": int(row["tg"])}
+                               "tg": int(row["tg"]),
+                               # output tokens over the whole wall (prefill included), as a served level counts them
+                               "output_tokens_per_s": int(row["pl"]) * int(row["tg"]) / float(row["t"])
+                               if float(row.get("t") or 0) > 0 else None}
     return out
 
 

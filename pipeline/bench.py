@@ -8,18 +8,10 @@ from __future__ import annotations
 import logging
 import time
 
-from pipeline.config import Config, VariantConfig
+from pipeline.config import Config, variant_of
 from pipeline.store import load_manifest, write_json
 
 log = logging.getLogger(__name__)
-
-
-def _variant_config(cfg: Config, name: str) -> VariantConfig:
-    if name == cfg.variant.name:
-        return cfg.variant
-    from pipeline.config import load_variant
-
-    return load_variant(name)
 
 
 def _stage_walls(cfg: Config, name: str) -> dict:
@@ -61,7 +53,7 @@ def run_bench(cfg: Config) -> int:
     prompt = probe_prompt(renderer, suites, cfg.profile.speed.prompt_tokens)
     rows = {}
     for name in names:
-        variant = _variant_config(cfg, name)
+        variant = variant_of(cfg, name)
         vcfg = dataclasses.replace(cfg, variant=variant, command="evaluate")
         t0 = time.perf_counter()
         result = evaluate_job(vcfg)   # cached when `make compare` already ran
@@ -93,6 +85,7 @@ def run_bench(cfg: Config) -> int:
     out = {"model": cfg.model.name, "run": cfg.run.name, "threads": cfg.runtime.n_threads, "variants": rows}
     if cfg.bench.batched_variant:
         out["batched"] = _batched(cfg, original, renderer, suites)
+    out["served"] = _served_against_batched_bench(cfg, original)
     write_json(cfg.results_dir / "bench.json", out)
     print(format_bench(out))
     return 0
@@ -131,14 +124,16 @@ def run_llama_bench(exe, gguf, threads: int, n_batch: int, flash_attn: bool, cac
 
 def _llama_bench_row(cfg: Config, variant, artifact, speed: dict) -> dict | None:
     """llama-bench beside the probe's figures for a llama.cpp variant (same file, threads, batch, flash attention,
-    KV types, prompt length and decode depth): ratios ours / llama-bench; None for other runtimes; the reason when
-    the tool is not built."""
-    if variant.runtime != "llamacpp":
-        return None
+    KV types, prompt length and decode depth): ratios ours / llama-bench; None where the artifact is no GGUF file;
+    the reason when the tool is not built."""
     from pipeline.errors import ConfigError
     from pipeline.llamatools import tool
     from pipeline.runtimes.llamacpp import gguf_file
 
+    try:
+        gguf = gguf_file(artifact.path)        # llama-bench runs GGUF files
+    except ConfigError:
+        return None
     try:
         exe = tool("llama-bench", cfg.bench.llama_tools)
     except ConfigError as exc:
@@ -147,7 +142,7 @@ def _llama_bench_row(cfg: Config, variant, artifact, speed: dict) -> dict | None
     flash = cfg.runtime.flash_attn if opts.get("flash_attn") is None else bool(opts["flash_attn"])
     sp = cfg.profile.speed
     try:
-        tb = run_llama_bench(exe, gguf_file(artifact.path), cfg.runtime.n_threads, cfg.runtime.n_batch, flash,
+        tb = run_llama_bench(exe, gguf, cfg.runtime.n_threads, cfg.runtime.n_batch, flash,
                              (opts.get("cache_type_k", "f16"), opts.get("cache_type_v", "f16")), sp.prompt_tokens,
                              sp.decode_tokens)
     except (RuntimeError, OSError) as exc:
@@ -156,6 +151,58 @@ def _llama_bench_row(cfg: Config, variant, artifact, speed: dict) -> dict | None
     return {"status": "ok", **tb,
             "decode_ratio": ratio(speed["decode_tokens_per_s"], tb["decode_tokens_per_s"]),
             "prefill_ratio": ratio(speed["prefill_tokens_per_s"], tb["prefill_tokens_per_s"])}
+
+
+def _served_against_batched_bench(cfg: Config, original) -> dict | None:
+    """The load sweep's aggregate output tokens/s at each concurrency N (this run's load.json, when `quantdrift load`
+    has run) next to llama-batched-bench's at the same N, threads, flash attention, KV types, context (prompt = the
+    sweep's depth) and output length: N x output tokens over the tool's whole wall, prefill included, as a served
+    level counts them. The tool decodes in lockstep with no HTTP, scheduling or tokenization: the ratio is what
+    serving costs on top of the engine's own batched decoding."""
+    import dataclasses
+
+    from pipeline.batched_bench import run_llama_batched_bench
+    from pipeline.errors import ConfigError, Skip
+    from pipeline.llamatools import tool
+    from pipeline.load import load_sweep
+    from pipeline.quantizers import build_artifact
+    from pipeline.runtimes.llamacpp import gguf_file
+
+    sweep = load_sweep(cfg)
+    if not sweep:
+        return None
+    try:
+        exe = tool("llama-batched-bench", cfg.bench.llama_tools)
+    except ConfigError as exc:
+        return {"status": "skipped", "reason": str(exc)}
+    depth = str(sweep["depths"][0])
+    rows = {}
+    for name, v in sweep["variants"].items():
+        if v["status"] != "ok" or depth not in v["depths"]:
+            continue
+        variant = variant_of(cfg, name)
+        try:
+            artifact = build_artifact(variant, original, dataclasses.replace(cfg, variant=variant))
+        except Skip as exc:
+            rows[name] = {"status": "skipped", "reason": str(exc)}
+            continue
+        st = v["settings"]
+        levels = sorted(int(c) for c in v["depths"][depth]["levels"])
+        try:
+            tool_rows = run_llama_batched_bench(exe, gguf_file(artifact.path), st["threads"], st["n_batch"],
+                                                st["flash_attn"], int(depth), sweep["output_tokens"], levels,
+                                                (st["cache_type_k"], st["cache_type_v"]))
+        except (RuntimeError, OSError) as exc:
+            rows[name] = {"status": "failed", "reason": str(exc)}
+            continue
+        per = {}
+        for c in levels:
+            ours = v["depths"][depth]["levels"][str(c)]["output_tokens_per_s"]
+            theirs = tool_rows[c]["output_tokens_per_s"]
+            per[str(c)] = {"served_output_tokens_per_s": ours, "tool_output_tokens_per_s": theirs,
+                           "ratio": (ours / theirs) if ours and theirs else None}
+        rows[name] = {"status": "ok", "levels": per}
+    return {"status": "ok", "depth": int(depth), "output_tokens": sweep["output_tokens"], "variants": rows}
 
 
 def _batched(cfg: Config, original, renderer, suites: dict) -> dict:
@@ -171,7 +218,7 @@ def _batched(cfg: Config, original, renderer, suites: dict) -> dict:
 
     name = cfg.bench.batched_variant
     try:
-        variant = _variant_config(cfg, name)
+        variant = variant_of(cfg, name)
         if not runtime_class(variant.runtime).batched:
             raise ConfigError(f"bench.batched_variant={name!r} runs on {variant.runtime!r}, which does not batch "
                               "sequences: the comparison with llama-batched-bench needs a llama.cpp variant")
@@ -213,6 +260,21 @@ def format_bench(out: dict) -> str:
             lines.append(f"  {name:<22}{r['decode_tokens_per_s']:>12.1f}{t['decode_tokens_per_s']:>16.1f}"
                          f"{t['decode_ratio']:>7.2f}{r['prefill_tokens_per_s']:>14.0f}"
                          f"{t['prefill_tokens_per_s']:>16.0f}{t['prefill_ratio']:>7.2f}")
+    served = out.get("served")
+    if served and served.get("status") == "ok":
+        lines.append("")
+        lines.append(f"served load sweep against llama-batched-bench (context {served['depth']}, "
+                     f"{served['output_tokens']} output tokens per request; output tok/s over the whole wall):")
+        for name, r in served["variants"].items():
+            if r["status"] != "ok":
+                lines.append(f"  {name:<22}{r['status']}: {r['reason']}")
+                continue
+            cells = "  ".join(f"N={c}: {x['served_output_tokens_per_s']:.1f} / {x['tool_output_tokens_per_s']:.1f} "
+                              f"= {x['ratio']:.2f}" if x["ratio"] is not None else f"N={c}: -"
+                              for c, x in r["levels"].items())
+            lines.append(f"  {name:<22}{cells}")
+    elif served:
+        lines.append(f"served load sweep against llama-batched-bench: skipped: {served['reason']}")
     batched = out.get("batched")
     if batched:
         from pipeline.batched_bench import format_batched

@@ -573,6 +573,11 @@ def load_variant(name: str, kv_cache: str | None = None) -> VariantConfig:
                                           "kv_cache"))
 
 
+def variant_of(cfg: Config, name: str) -> VariantConfig:
+    """Variant ``name`` of a run: the config's own variant when it is that one, else conf/variant/NAME.yaml."""
+    return cfg.variant if name == cfg.variant.name else load_variant(name)
+
+
 def register_resolvers() -> None:
     from omegaconf import OmegaConf
 

@@ -256,6 +256,7 @@ def run_load(cfg, generate=None) -> dict:
     """Run (or resume) the sweep over ``cfg.run.variants``; writes ``load.json`` into the run's stage folder and
     ``cfg.results_dir``; returns it. ``generate``: the load generator (pipeline.loadgen.run_guidellm; tests pass a
     fake with the same signature)."""
+    from pipeline.config import variant_of
     from pipeline.conversation import ChatRenderer
     from pipeline.engines import engine_class
     from pipeline.llamatools import tool
@@ -281,9 +282,7 @@ def run_load(cfg, generate=None) -> dict:
     # per variant: what serves it, or why nothing does
     plans, skipped = {}, {}
     for name in names:
-        from pipeline.bench import _variant_config
-
-        variant = _variant_config(cfg, name)
+        variant = variant_of(cfg, name)
         try:
             engine = engine_class(variant.runtime)
             artifact = build_artifact(variant, original, dataclasses.replace(cfg, variant=variant))
@@ -304,16 +303,18 @@ def run_load(cfg, generate=None) -> dict:
                        "file_hash": stable_hash({"file": gguf.name, "size": gguf.stat().st_size,
                                                  "mtime": int(gguf.stat().st_mtime)})}
     exe = tool("llama-server", cfg.bench.llama_tools) if plans else None
-    from pipeline.engines.llama_server import server_version
+    from pipeline.engines.llama_server import engine_version
 
-    version = server_version(exe) if exe else ""
+    version = engine_version(exe) if exe else ""
     prompts = {d: load_prompts(renderer, suites, d, max(max(p["levels"]) for p in plans.values()) * 2)
                for d in depths} if plans else {}
     run_dir = cfg.model_dir / "runs" / cfg.run.name
     out_dir, logs = run_dir / "load", run_dir / "load-logs"
     key = {"variants": {n: {k: p[k] for k in ("settings", "levels", "ctx_per_slot", "file_hash")}
                         for n, p in plans.items()},
-           "load": dataclasses.asdict(lc), "workload": dataclasses.asdict(wl), "depths": depths, "gpu": gpu,
+           # the workload's targets judge the tables (rejudge, at report time); only what it makes us measure counts
+           "load": dataclasses.asdict(lc), "measured_for": {"output_tokens": output_tokens(cfg)}, "depths": depths,
+           "gpu": gpu,
            "engine_version": version, "generator": generator,
            "prompts": stable_hash(prompts)}
 
@@ -436,9 +437,43 @@ def slo_depth(depths: list[int], context_tokens: int) -> int:
 
 
 def load_sweep(cfg) -> dict | None:
-    """This run's load.json when `quantdrift command=load` has run (the summary and report read it)."""
+    """This run's load.json when `quantdrift command=load` has run (the summary and report read it), judged against the
+    workload of ``cfg`` (``make report ARGS="workload=batch"`` re-decides without measuring again)."""
     path = cfg.results_dir / "load.json"
-    return read_json(path) if path.is_file() else None
+    return rejudge(read_json(path), cfg.workload) if path.is_file() else None
+
+
+def rejudge(result: dict, wl) -> dict:
+    """The sweep's level tables judged against workload ``wl``: every depth's operating point, the depth its targets
+    are judged at, throughput_at_slo, the knee and the recommendation. The measurements are untouched."""
+    targets = {k: getattr(wl, k) for k in TARGETS}
+    for v in result["variants"].values():
+        if v.get("status") != "ok":
+            continue
+        for block in v["depths"].values():
+            table = {int(c): f for c, f in block["levels"].items()}
+            block["operating_point"] = operating_point(table, targets, result["memory_budget_mb"], result["knee_gain"])
+        at = str(slo_depth([int(d) for d in v["depths"]], wl.context_tokens))
+        op = v["depths"][at]["operating_point"]
+        v.update({"slo_depth": int(at), "throughput_at_slo": op["throughput_at_slo"],
+                  "throughput_at_slo_interval": op["throughput_at_slo_interval"],
+                  "throughput_at_slo_concurrency": op["throughput_at_slo_concurrency"],
+                  "knee_concurrency": op["knee"]["concurrency"], "knee_reached": op["knee"]["reached"],
+                  "recommended_concurrency": op["recommended_concurrency"]})
+    result["workload"] = dataclasses.asdict(wl)
+    return result
+
+
+def advice(v: dict, bold: str = "") -> str:
+    """One variant's served-load verdict in words: its knee, its throughput at the workload's targets and the
+    concurrency to run it at (``bold``: the Markdown emphasis around that number, "" for plain text)."""
+    knee_txt = (f"knee at {v['knee_concurrency']}" if v["knee_reached"]
+                else f"no knee up to {v['knee_concurrency']} (throughput still rising)")
+    slo = (f"throughput at the targets {v['throughput_at_slo']:.1f} tok/s at {v['throughput_at_slo_concurrency']} "
+           "concurrent" if v["throughput_at_slo"] is not None else "no level meets the targets")
+    rec = (f"operate at up to {bold}{v['recommended_concurrency']}{bold} concurrent requests"
+           if v["recommended_concurrency"] else "no operating point meets the targets")
+    return f"{knee_txt}; {slo}; {rec} (context {v['slo_depth']})"
 
 
 def format_load(result: dict) -> str:
@@ -465,13 +500,7 @@ def format_load(result: dict) -> str:
                              f"{fmt(f['itl_p99_s'] and f['itl_p99_s'] * 1e3, '<8.0f')}"
                              f"{fmt(f['e2e_p99_s'], '11.2f')}{fmt(f['device_peak_mb'] or f['peak_rss_mb'], '9.0f')}"
                              f"  {verdict}")
-        knee_txt = (f"knee at {v['knee_concurrency']}" if v["knee_reached"]
-                    else f"no knee up to {v['knee_concurrency']}")
-        slo = (f"throughput at the targets {v['throughput_at_slo']:.1f} tok/s at {v['throughput_at_slo_concurrency']}"
-               if v["throughput_at_slo"] is not None else "no level meets the targets")
-        rec = (f"run at up to {v['recommended_concurrency']} concurrent requests"
-               if v["recommended_concurrency"] else "no recommendation")
-        lines.append(f"  {knee_txt} (context {v['slo_depth']}); {slo}; {rec}")
+        lines.append("  " + advice(v))
     return "\n".join(lines)
 
 

@@ -139,4 +139,9 @@ def load_bandwidth(cfg) -> dict | None:
     from pipeline.store import read_json
 
     path = cfg.model_dir / "runs" / cfg.run.name / "_bandwidth" / "bandwidth.json"
-    return read_json(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    found = read_json(path)
+    if found.get("device") == "cpu" and found.get("threads") != cfg.runtime.n_threads:
+        return None      # a single-thread copy of an older version, or another thread count: measured again
+    return found

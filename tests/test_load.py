@@ -298,3 +298,37 @@ def test_guidellm_reports_are_parsed_per_level_in_seconds():
     del empty["benchmarks"][1]["metrics"]["request_latency"]
     with pytest.raises(ValueError, match="request_latency"):
         parse_guidellm(empty)
+
+
+def test_llama_bench_and_batched_bench_lines_are_read_as_the_tools_print_them():
+    from pipeline.batched_bench import parse_batched_bench
+    from pipeline.bench import parse_llama_bench
+
+    bench = ('{"build_commit": "unknown", "model_filename": "model-q8_0.gguf", "n_threads": 2, "n_prompt": 64, '
+             '"n_gen": 0, "n_depth": 0, "avg_ns": 1296227939, "stddev_ns": 99854704, "avg_ts": 49.520970, '
+             '"stddev_ts": 3.814840, "samples_ns": [ 1225620000, 1366835878 ],"samples_ts": [ 52.2185, 46.8235 ]}')
+    rows = parse_llama_bench("main: loading\n" + bench + "\nllama_perf: done\n")
+    assert len(rows) == 1 and rows[0]["avg_ts"] == pytest.approx(49.52097) and rows[0]["n_prompt"] == 64
+    batched = ('{"n_kv_max": 512, "pp": 64, "tg": 8, "pl": 2, "n_kv": 144, "t_pp": 1.268962, "speed_pp": 100.869843, '
+               '"t_tg": 1.993336, "speed_tg": 8.026745, "t": 3.262298, "speed": 44.140663}')
+    two = parse_batched_bench(batched)[2]
+    assert two["decode_tokens_per_s"] == pytest.approx(8.026745)
+    assert two["output_tokens_per_s"] == pytest.approx(2 * 8 / 3.262298)     # prefill included, as a served level
+
+
+def test_a_stored_sweep_is_judged_again_for_another_workload_without_measuring():
+    import copy
+
+    from pipeline.config import WorkloadConfig
+    from pipeline.load import rejudge
+
+    table = sweep({1: [100] * 3, 2: [160] * 3, 4: [170] * 3}, ttft_p99={1: [2.0] * 3, 2: [3.0] * 3, 4: [6.0] * 3})
+    result = {"memory_budget_mb": None, "knee_gain": 0.1, "workload": {},
+              "variants": {"q": {"status": "ok", "depths": {"512": {"levels": {str(c): f for c, f in table.items()}}}},
+                           "hf": {"status": "skipped", "reason": "no engine"}}}
+    chat = rejudge(copy.deepcopy(result), WorkloadConfig())            # TTFT p99 <= 1 s: no level meets it
+    assert chat["variants"]["q"]["throughput_at_slo"] is None and chat["variants"]["q"]["slo_depth"] == 512
+    batch = rejudge(copy.deepcopy(result), WorkloadConfig(name="batch", max_ttft_p99_s=None, max_itl_p99_s=None))
+    q = batch["variants"]["q"]
+    assert q["throughput_at_slo"] == 170 and q["knee_concurrency"] == 2 and q["recommended_concurrency"] == 2
+    assert batch["workload"]["name"] == "batch"

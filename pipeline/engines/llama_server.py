@@ -185,6 +185,19 @@ def server_version(exe: Path) -> str:
     return next((ln for ln in lines if ln.lower().startswith("version")), lines[0] if lines else "")
 
 
+def engine_version(exe: Path) -> str:
+    """The server's own version line with the llama-cpp-python release whose vendored llama.cpp it was built from
+    (`make llama-tools`): the vendored tree reports a placeholder version ("0.5.0-dev, build 0")."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = f"llama.cpp vendored in llama-cpp-python {version('llama_cpp_python')}"
+    except PackageNotFoundError:
+        release = "llama.cpp"
+    own = server_version(exe)
+    return f"{release} ({own})" if own else release
+
+
 def pids_of(exe: Path) -> list[int]:
     """Live processes running ``exe`` (a test's check that no server outlived its run)."""
     out = []

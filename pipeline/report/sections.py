@@ -571,25 +571,21 @@ def _load_section(summary: dict) -> tuple | None:
                              iv(f, "ttft_p50_s", ".2f"), iv(f, "ttft_p99_s", ".2f"), iv(f, "itl_p50_s", ".0f", 1e3),
                              iv(f, "itl_p99_s", ".0f", 1e3), iv(f, "e2e_p99_s", ".2f"), _fmt(peak, ".0f"),
                              block["operating_point"]["verdicts"][c]["verdict"]])
-    advice = []
+    from pipeline.load import advice
+
+    lines = []
     for name, v in sorted(ok.items(), key=lambda kv: -(kv[1].get("throughput_at_slo") or -1)):
-        knee_txt = (f"knee at {v['knee_concurrency']}" if v["knee_reached"]
-                    else f"no knee up to {v['knee_concurrency']} (throughput still rising)")
-        slo = (f"{v['throughput_at_slo']:.1f} tok/s at {v['throughput_at_slo_concurrency']} concurrent"
-               if v["throughput_at_slo"] is not None else "no level meets the targets")
-        rec = (f"operate at up to **{v['recommended_concurrency']}** concurrent requests"
-               if v["recommended_concurrency"] else "no operating point meets the targets")
         noise = [x for x in v.get("cpu_noise_rounds") or [] if x is not None]
         noise_txt = (f"; other processes used up to {max(noise):.0%} of the CPU during its rounds"
                      + (" (noisy: read its figures with care)" if max(noise) > 0.1 else "")) if noise else ""
-        advice.append(f"`{name}` on {v['engine']} ({v.get('engine_version') or 'version not reported'}): {knee_txt}; "
-                      f"throughput at the targets {slo}; {rec} (context {v['slo_depth']}){noise_txt}.")
+        lines.append(f"`{name}` on {v['engine']} ({v.get('engine_version') or 'version not reported'}): "
+                     f"{advice(v, bold='**')}{noise_txt}.")
     blocks: list = [
         f"Workload **{wl['name']}** ({wl.get('description') or ''}): {targets}, at {wl['context_tokens']} tokens "
         f"of context. Sweep `{sweep['profile']}`: concurrency {sweep['concurrency']} (capped by the capacity plan), "
         f"context {sweep['depths']}, {sweep['output_tokens']} output tokens per request, {sweep['repeats']} "
         f"interleaved rounds (a fresh server per variant and round); load generator {sweep['generator']}.",
-        advice, (head, rows),
+        lines, (head, rows),
         "Medians over rounds with the range of the rounds in brackets (order statistics; with 3 rounds the range "
         "covers the median with 75 % probability). Output tok/s: aggregate over all concurrent requests. A level "
         "\"meets\" the targets when every target's range lies under its limit, \"fails\" when a range lies wholly "
