@@ -160,7 +160,7 @@ def test_llama_batched_bench_output_is_parsed_among_log_lines():
             '"speed_pp": 1024.0, "t_tg": 2.6, "speed_tg": 196.9, "t": 3.1, "speed": 330.3}\n'
             "llama_perf_context_print: load time = 1 ms\n")
     assert parse_batched_bench(text) == {4: {"decode_tokens_per_s": 196.9, "prefill_tokens_per_s": 1024.0,
-                                             "pp": 128, "tg": 128}}
+                                             "pp": 128, "tg": 128, "output_tokens_per_s": 4 * 128 / 3.1}}
 
 
 def test_batched_path_measured_beside_llama_batched_bench(built):
