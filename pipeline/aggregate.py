@@ -20,6 +20,14 @@ def kv_bytes_per_token_formula(facts: dict, element_bytes: float) -> float:
     return 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"] * element_bytes
 
 
+def sequences_that_fit(budget_bytes: float, headroom: float, weights_bytes: float, kv_bytes_per_token: float,
+                       context_tokens: int, overhead_bytes: float = 0.0) -> int:
+    """Concurrent sequences of ``context_tokens`` that fit a budget:
+    floor((budget x (1 - headroom) - weights - overhead) / (KV/token x context)), never below zero."""
+    free = budget_bytes * (1 - headroom) - weights_bytes - overhead_bytes
+    return max(0, int(free // (kv_bytes_per_token * context_tokens)))
+
+
 def kv_reported_per_token(kv: dict | None) -> float | None:
     """KV bytes per token as the runtime reports them: llama.cpp's own log of its KV buffer (bytes / cells),
     else the bytes the runtime holds for the live sequence divided by its tokens."""
@@ -224,8 +232,7 @@ def capacity_plan(v: dict, facts: dict, cap) -> dict:
     element = kv_tok / (2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"])
 
     def fits(budget_gb: float, w: float, per_tok: float) -> int:
-        free = budget_gb * 1e9 * (1 - cap.headroom) - w - overhead
-        return max(0, int(free // (per_tok * cap.context_tokens)))
+        return sequences_that_fit(budget_gb * 1e9, cap.headroom, w, per_tok, cap.context_tokens, overhead)
 
     budgets = list(cap.memory_budget_gb)
     own = (device.get("device_total_mb") or 0) * 2**20 / 1e9 if on_device else 0

@@ -138,13 +138,13 @@ def _llama_bench_row(cfg: Config, variant, artifact, speed: dict) -> dict | None
         exe = tool("llama-bench", cfg.bench.llama_tools)
     except ConfigError as exc:
         return {"status": "skipped", "reason": str(exc)}
-    opts = variant.runtime_options or {}
-    flash = cfg.runtime.flash_attn if opts.get("flash_attn") is None else bool(opts["flash_attn"])
+    from pipeline.load import serve_settings
+
+    st = serve_settings(cfg, variant)
     sp = cfg.profile.speed
     try:
-        tb = run_llama_bench(exe, gguf, cfg.runtime.n_threads, cfg.runtime.n_batch, flash,
-                             (opts.get("cache_type_k", "f16"), opts.get("cache_type_v", "f16")), sp.prompt_tokens,
-                             sp.decode_tokens)
+        tb = run_llama_bench(exe, gguf, st["threads"], st["n_batch"], st["flash_attn"],
+                             (st["cache_type_k"], st["cache_type_v"]), sp.prompt_tokens, sp.decode_tokens)
     except (RuntimeError, OSError) as exc:
         return {"status": "failed", "reason": str(exc)}
     ratio = lambda a, b: (a / b) if a and b else None  # noqa: E731

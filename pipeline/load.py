@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from pathlib import Path
 
+from pipeline.aggregate import sequences_that_fit
 from pipeline.errors import ConfigError, Skip
-from pipeline.probe import _busy_jiffies
+from pipeline.memory import status_mb
+from pipeline.probe import OtherCpu
 from pipeline.stats import median_interval
 from pipeline.store import Journal, read_json, run_stage, stable_hash, write_json
 
@@ -145,13 +146,6 @@ def levels_within(levels: list[int], fits: int | None) -> tuple[list[int], int |
     return kept, fits
 
 
-def sequences_that_fit(budget_bytes: float, headroom: float, weights_bytes: float, kv_bytes_per_token: float,
-                       ctx_per_slot: int, overhead_bytes: float = 0.0) -> int:
-    """The capacity plan's count of concurrent sequences of ``ctx_per_slot`` tokens that fit a budget."""
-    free = budget_bytes * (1 - headroom) - weights_bytes - overhead_bytes
-    return max(0, int(free // (kv_bytes_per_token * ctx_per_slot)))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # memory while a level runs
 
@@ -165,15 +159,6 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _rss_mb(self) -> float | None:
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-        except OSError:
-            return None
-        return None
-
     def _device_mb(self) -> float | None:
         if not self.gpu:
             return None
@@ -184,7 +169,7 @@ class MemorySampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.time(), self._rss_mb(), self._device_mb()))
+            self.samples.append((time.time(), status_mb("VmRSS", self.pid), self._device_mb()))
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> "MemorySampler":
@@ -220,19 +205,12 @@ def load_prompts(renderer, suites: dict, depth: int, n: int, reserve: int = 48) 
 # ---------------------------------------------------------------------------------------------------------------
 # the sweep
 
-def _serve_settings(cfg, variant) -> dict:
+def serve_settings(cfg, variant) -> dict:
     """The engine settings a variant's runtime options translate to (threads, flash attention, K/V cache types)."""
     opts = dict(variant.runtime_options or {})
     flash = cfg.runtime.flash_attn if opts.get("flash_attn") is None else bool(opts["flash_attn"])
     return {"threads": cfg.runtime.n_threads, "flash_attn": flash, "n_batch": cfg.runtime.n_batch,
             "cache_type_k": opts.get("cache_type_k", "f16"), "cache_type_v": opts.get("cache_type_v", "f16")}
-
-
-def _kv_bytes_per_token(facts: dict, settings: dict) -> float:
-    from pipeline.runtimes.llamacpp import _CACHE_BYTES
-
-    element = (_CACHE_BYTES[settings["cache_type_k"]] + _CACHE_BYTES[settings["cache_type_v"]]) / 2
-    return 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"] * element
 
 
 def memory_budget_mb(cfg, gpu: bool) -> float:
@@ -256,6 +234,7 @@ def run_load(cfg, generate=None) -> dict:
     """Run (or resume) the sweep over ``cfg.run.variants``; writes ``load.json`` into the run's stage folder and
     ``cfg.results_dir``; returns it. ``generate``: the load generator (pipeline.loadgen.run_guidellm; tests pass a
     fake with the same signature)."""
+    from pipeline.aggregate import kv_bytes_per_token_formula
     from pipeline.config import variant_of
     from pipeline.conversation import ChatRenderer
     from pipeline.engines import engine_class
@@ -263,6 +242,7 @@ def run_load(cfg, generate=None) -> dict:
     from pipeline.prepare import prepare
     from pipeline.quantizers import build_artifact
     from pipeline.run import load_suites
+    from pipeline.runtimes import runtime_class
     from pipeline.runtimes.llamacpp import gguf_file
 
     lc, wl = cfg.load, cfg.workload
@@ -291,15 +271,16 @@ def run_load(cfg, generate=None) -> dict:
             skipped[name] = f"{exc}" if "serving engine" in str(exc) else f"not served: {exc}"
             log.warning("load: %s skipped: %s", name, skipped[name])
             continue
-        settings = _serve_settings(cfg, variant)
+        settings = serve_settings(cfg, variant)
         ctx_per_slot = max(depths) + output_tokens(cfg) + lc.ctx_margin
-        kv_tok = _kv_bytes_per_token(original.facts, settings)
+        element = runtime_class(variant.runtime).cache_element_bytes(settings, original.facts["head_dim"])
+        kv_tok = kv_bytes_per_token_formula(original.facts, element)
         fits = sequences_that_fit(budget_mb * 2**20, cfg.capacity.headroom, gguf.stat().st_size, kv_tok,
                                   ctx_per_slot)
         levels, _ = levels_within(lc.concurrency, fits)
         plans[name] = {"engine": engine, "gguf": gguf, "settings": settings, "levels": levels, "fits": fits,
                        "output_tokens": output_tokens(cfg),
-                       "ctx_per_slot": ctx_per_slot, "kv_bytes_per_token": kv_tok,
+                       "ctx_per_slot": ctx_per_slot,
                        "file_hash": stable_hash({"file": gguf.name, "size": gguf.stat().st_size,
                                                  "mtime": int(gguf.stat().st_mtime)})}
     exe = tool("llama-server", cfg.bench.llama_tools) if plans else None
@@ -358,8 +339,7 @@ def _trial(plan: dict, exe: Path, version: str, depths: list[int], prompts: dict
                     n_batch=s["n_batch"], log_path=log_path, version=version)
     out: dict = {"depths": {}}
     t0 = time.perf_counter()
-    busy0, ours0 = _busy_jiffies(), _own_cpu_s()
-    with server, MemorySampler(server.proc.pid, gpu) as sampler:
+    with OtherCpu() as other, server, MemorySampler(server.proc.pid, gpu) as sampler:
         for depth in depths:
             levels = generate(server.url, prompts[depth], levels=plan["levels"], output_tokens=plan["output_tokens"],
                               requests_per_stream=lc.requests_per_stream, min_requests=lc.min_requests,
@@ -370,28 +350,16 @@ def _trial(plan: dict, exe: Path, version: str, depths: list[int], prompts: dict
             out["depths"][str(depth)] = levels
         out["server_peak_rss_mb"] = server.peak_rss_mb()
     out["wall_s"] = time.perf_counter() - t0
-    busy1, ours1 = _busy_jiffies(), _own_cpu_s()
-    if busy0 is not None and busy1 is not None and out["wall_s"] > 0:
-        others = max(0.0, (busy1 - busy0) / os.sysconf("SC_CLK_TCK") - (ours1 - ours0))
-        out["cpu_noise"] = others / (out["wall_s"] * (os.cpu_count() or 1))
+    # the server and guidellm (with its workers) are our own children, waited for: not counted as noise
+    out["cpu_noise"] = other.share
     return out
-
-
-def _own_cpu_s() -> float:
-    """CPU seconds of this process and of its finished children (the server and guidellm with its workers, once
-    waited for): subtracted from the machine's busy time, the rest is other processes' (the trial's noise)."""
-    import resource
-
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def summarize(trials: dict, plans: dict, skipped: dict, depths: list[int], cfg, budget_mb: float, version: str,
               generator: str) -> dict:
-    """load.json: per variant and depth the level table, the knee and the operating point; skipped variants with
-    their reasons; the sweep's settings."""
-    lc, wl = cfg.load, cfg.workload
-    targets = {k: getattr(wl, k) for k in TARGETS}
+    """load.json: per variant and depth the level table, judged against the workload (``rejudge``: the knee and
+    the operating point); skipped variants with their reasons; the sweep's settings."""
+    lc = cfg.load
     variants = {}
     for name, rounds in trials.items():
         plan = plans[name]
@@ -400,30 +368,20 @@ def summarize(trials: dict, plans: dict, skipped: dict, depths: list[int], cfg, 
         if not good:
             variants[name] = {"status": "failed", "reason": errors[0] if errors else "no trial ran"}
             continue
-        per_depth = {}
-        for d in depths:
-            table = level_table([t["depths"].get(str(d)) for t in good])
-            per_depth[str(d)] = {"levels": {str(c): f for c, f in table.items()},
-                                 "operating_point": operating_point(table, targets, budget_mb, lc.knee_gain)}
-        at = str(slo_depth(depths, wl.context_tokens))
-        op = per_depth[at]["operating_point"]
+        per_depth = {str(d): {"levels": {str(c): f for c, f in
+                                         level_table([t["depths"].get(str(d)) for t in good]).items()}}
+                     for d in depths}
         variants[name] = {
             "status": "ok", "engine": plan["engine"].name, "engine_version": version,
             "settings": {**plan["settings"], "slots": max(plan["levels"]), "ctx_per_slot": plan["ctx_per_slot"]},
             "levels": plan["levels"], "capacity_fits": plan["fits"], "rounds": len(good), "errors": errors,
-            "cpu_noise_rounds": [t.get("cpu_noise") for t in good],
-            "depths": per_depth, "slo_depth": int(at),
-            "throughput_at_slo": op["throughput_at_slo"],
-            "throughput_at_slo_interval": op["throughput_at_slo_interval"],
-            "throughput_at_slo_concurrency": op["throughput_at_slo_concurrency"],
-            "knee_concurrency": op["knee"]["concurrency"], "knee_reached": op["knee"]["reached"],
-            "recommended_concurrency": op["recommended_concurrency"],
+            "cpu_noise_rounds": [t.get("cpu_noise") for t in good], "depths": per_depth,
         }
     for name, why in skipped.items():
         variants[name] = {"status": "skipped", "reason": why}
-    return {"workload": dataclasses.asdict(wl), "depths": depths, "concurrency": list(lc.concurrency),
-            "output_tokens": output_tokens(cfg), "repeats": lc.repeats, "knee_gain": lc.knee_gain,
-            "memory_budget_mb": budget_mb, "generator": generator, "profile": lc.name, "variants": variants}
+    return rejudge({"depths": depths, "concurrency": list(lc.concurrency), "output_tokens": output_tokens(cfg),
+                    "repeats": lc.repeats, "knee_gain": lc.knee_gain, "memory_budget_mb": budget_mb,
+                    "generator": generator, "profile": lc.name, "variants": variants}, cfg.workload)
 
 
 def output_tokens(cfg) -> int:

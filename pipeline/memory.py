@@ -6,16 +6,23 @@ import resource
 from pathlib import Path
 
 
-def peak_rss_mb() -> float:
-    """This process's resident high-water mark. VmHWM belongs to the current address space; ru_maxrss would
-    carry the parent's peak across fork+exec on Linux and credit a small variant with the parent's model."""
+def status_mb(field: str, pid: int | str = "self") -> float | None:
+    """A memory field of /proc/PID/status (``VmHWM``: resident high-water mark, ``VmRSS``: resident now) in MB;
+    None where the process has gone or there is no procfs."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024.0
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return None
+
+
+def peak_rss_mb() -> float:
+    """This process's resident high-water mark. VmHWM belongs to the current address space; ru_maxrss would
+    carry the parent's peak across fork+exec on Linux and credit a small variant with the parent's model."""
+    hwm = status_mb("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def nvml_process_mb(pid: int) -> dict | None:

@@ -37,29 +37,41 @@ def _busy_jiffies() -> int | None:
     return sum(values[:8]) - idle
 
 
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of its children that have been waited for."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class OtherCpu:
+    """The share of the machine's CPU that other processes used during a ``with`` block: the busy time of
+    /proc/stat minus our own and our waited-for children's, over wall time x cores (``share`` is None without
+    procfs). The noise check of every speed figure: the probe's trials, the bandwidth, the load sweep's rounds."""
+
+    def __enter__(self) -> "OtherCpu":
+        self.share = None
+        self._busy, self._ours, self._t = _busy_jiffies(), own_cpu_s(), time.time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, ours, wall = _busy_jiffies(), own_cpu_s(), time.time() - self._t
+        if self._busy is not None and busy is not None and wall > 0:
+            others = max(0.0, (busy - self._busy) / os.sysconf("SC_CLK_TCK") - (ours - self._ours))
+            self.share = others / (wall * (os.cpu_count() or 1))
+
+
 def _run_child(spec: dict, timeout_s: float) -> tuple[dict, float | None]:
     with tempfile.TemporaryDirectory(prefix="qd-probe-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        hz = os.sysconf("SC_CLK_TCK")
-        busy0, child0, t0 = _busy_jiffies(), resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
-        self0 = resource.getrusage(resource.RUSAGE_SELF)
-        proc = subprocess.run([sys.executable, "-m", "pipeline.probe", str(spec_path), str(out_path)],
-                              capture_output=True, text=True, timeout=timeout_s, **child_options())
-        wall = time.time() - t0
-        busy1, child1 = _busy_jiffies(), resource.getrusage(resource.RUSAGE_CHILDREN)
-        self1 = resource.getrusage(resource.RUSAGE_SELF)
+        with OtherCpu() as other:
+            proc = subprocess.run([sys.executable, "-m", "pipeline.probe", str(spec_path), str(out_path)],
+                                  capture_output=True, text=True, timeout=timeout_s, **child_options())
         if proc.returncode != 0 or not out_path.is_file():
             tail = "\n".join((proc.stderr or "").strip().splitlines()[-8:])
             raise RuntimeError(f"speed probe failed (exit {proc.returncode}):\n{tail}")
         result = json.loads(out_path.read_text())
-    noise = None
-    if busy0 is not None and busy1 is not None and wall > 0:
-        ours = (child1.ru_utime + child1.ru_stime - child0.ru_utime - child0.ru_stime
-                + self1.ru_utime + self1.ru_stime - self0.ru_utime - self0.ru_stime)
-        others = max(0.0, (busy1 - busy0) / hz - ours)
-        noise = others / (wall * (os.cpu_count() or 1))
-    return result, noise
+    return result, other.share
 
 
 def probe_spec(cfg, variant, artifact, prompt_ids: list[int]) -> dict:

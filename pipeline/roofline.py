@@ -77,7 +77,7 @@ def measure_bandwidth(device: str = "cpu", mib: int = 512, repeats: int = 7, thr
 
     import numpy as np
 
-    from pipeline.probe import _busy_jiffies
+    from pipeline.probe import OtherCpu
 
     threads = threads or os.cpu_count() or 1
     llc = last_level_cache_bytes()
@@ -88,16 +88,9 @@ def measure_bandwidth(device: str = "cpu", mib: int = 512, repeats: int = 7, thr
     np.copyto(b, a)                       # touch every page once
 
     def once() -> tuple[float, float | None]:
-        hz = os.sysconf("SC_CLK_TCK")
-        busy0, self0, t0 = _busy_jiffies(), os.times(), time.perf_counter()
-        best = min(_copy_threads(a, b, threads) for _ in range(repeats))
-        wall = time.perf_counter() - t0
-        busy1, self1 = _busy_jiffies(), os.times()
-        noise = None
-        if busy0 is not None and busy1 is not None and wall > 0:
-            ours = (self1.user + self1.system) - (self0.user + self0.system)
-            noise = max(0.0, (busy1 - busy0) / hz - ours) / (wall * (os.cpu_count() or 1))
-        return best, noise
+        with OtherCpu() as other:
+            best = min(_copy_threads(a, b, threads) for _ in range(repeats))
+        return best, other.share
 
     best, noise = once()
     if noise is not None and noise > max_cpu_noise:

@@ -32,17 +32,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vm_hwm_mb(pid: int) -> float | None:
-    """The resident high-water mark of process ``pid`` (VmHWM), None once it has gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
-
-
 class ServerError(RuntimeError):
     """The server did not start or stopped answering; the message ends with its log's last lines."""
 
@@ -137,16 +126,9 @@ class LlamaServer:
 
     def peak_rss_mb(self) -> float | None:
         """The server's resident high-water mark so far (read while it runs: gone after stop)."""
-        return vm_hwm_mb(self.proc.pid) if self.proc and self.proc.poll() is None else None
+        from pipeline.memory import status_mb
 
-    def device_memory_mb(self) -> float | None:
-        """The server's device memory from NVML (on CUDA; None on a CPU or without NVML)."""
-        if not (self.settings["gpu"] and self.proc):
-            return None
-        from pipeline.memory import nvml_process_mb
-
-        reading = nvml_process_mb(self.proc.pid)
-        return reading["used_mb"] if reading else None
+        return status_mb("VmHWM", self.proc.pid) if self.proc and self.proc.poll() is None else None
 
     def log_tail(self, lines: int = 12) -> str:
         try:
