@@ -37,7 +37,6 @@ def run_bench(cfg: Config) -> int:
 
     from pipeline.conversation import ChatRenderer
     from pipeline.prepare import prepare
-    from pipeline.probe import probe_speed
     from pipeline.quantizers import build_artifact
     from pipeline.reference import n_ctx_for, reply_positions
     from pipeline.runtimes import load_runtime
@@ -61,7 +60,7 @@ def run_bench(cfg: Config) -> int:
             rows[name] = {"status": result["status"], "reason": result.get("reason")}
             continue
         artifact = build_artifact(variant, original, vcfg)
-        speed = probe_speed(vcfg, variant, artifact, prompt)
+        speed, tool_row = _probe_beside_llama_bench(vcfg, variant, artifact, prompt)
         rt = load_runtime(variant, artifact.path, vcfg,
                           n_ctx=n_ctx_for(len(longest["ids"]) + 8, original.facts.get("context_length")))
         rt.score(longest["ids"], positions[:1], [[0]])   # warm-up
@@ -69,7 +68,6 @@ def run_bench(cfg: Config) -> int:
         rt.score(longest["ids"], positions, [[0]] * len(positions))
         score_s = time.perf_counter() - t
         rt.close()
-        tool_row = _llama_bench_row(cfg, variant, artifact, speed)
         rows[name] = {
             "status": "ok",
             "decode_tokens_per_s": speed["decode_tokens_per_s"],
@@ -98,10 +96,15 @@ def parse_llama_bench(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip().startswith("{") and '"avg_ts"' in line]
 
 
+LLAMA_BENCH_REPETITIONS = 5      # llama-bench's own default (-r); the probe repeats as many times beside it
+
+
 def run_llama_bench(exe, gguf, threads: int, n_batch: int, flash_attn: bool, cache_types: tuple[str, str],
-                    prompt: int, gen: int, repetitions: int = 5, timeout: float = 900) -> dict:
+                    prompt: int, gen: int, repetitions: int = LLAMA_BENCH_REPETITIONS, timeout: float = 900) -> dict:
     """llama-bench on the pipeline's own file and settings, as the speed probe measures: prefill of ``prompt``
-    tokens (pp) and decode of ``gen`` tokens after a ``prompt``-token context (tg at depth ``prompt``)."""
+    tokens (pp) and decode of ``gen`` tokens after a ``prompt``-token context (tg at depth ``prompt``). Figures are
+    the medians of the tool's per-repetition samples, as the probe's are medians of its repeats."""
+    import statistics
     import subprocess
 
     from pipeline.children import child_options
@@ -116,41 +119,74 @@ def run_llama_bench(exe, gguf, threads: int, n_batch: int, flash_attn: bool, cac
         if proc.returncode != 0 or not rows:
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
             raise RuntimeError(f"llama-bench failed (exit {proc.returncode}): {' '.join(common + extra)}\n{tail}")
-        out[label] = {"tokens_per_s": float(rows[0]["avg_ts"]), "stddev": float(rows[0]["stddev_ts"]),
-                      "samples": rows[0].get("samples_ts")}
+        samples = rows[0].get("samples_ts") or [rows[0]["avg_ts"]]
+        out[label] = {"tokens_per_s": float(statistics.median(samples)), "mean": float(rows[0]["avg_ts"]),
+                      "stddev": float(rows[0]["stddev_ts"]), "samples": samples}
     return {"prefill_tokens_per_s": out["pp"]["tokens_per_s"], "decode_tokens_per_s": out["tg"]["tokens_per_s"],
             "detail": out, "prompt_tokens": prompt, "gen_tokens": gen, "depth": prompt}
 
 
-def _llama_bench_row(cfg: Config, variant, artifact, speed: dict) -> dict | None:
-    """llama-bench beside the probe's figures for a llama.cpp variant (same file, threads, batch, flash attention,
-    KV types, prompt length and decode depth): ratios ours / llama-bench; None where the artifact is no GGUF file;
-    the reason when the tool is not built."""
+def _probe_beside_llama_bench(cfg: Config, variant, artifact, prompt: list[int]) -> tuple[dict, dict | None]:
+    """The pipeline's speed probe for one variant and, for a GGUF file, llama-bench beside it on the same file,
+    threads, batch, flash attention, KV types, prompt length and decode depth.
+
+    The two alternate over ``bench.rounds`` rounds (probe trial, then llama-bench), the probe repeating as often
+    as llama-bench does (``LLAMA_BENCH_REPETITIONS``), so that a slow spell of a shared machine lands on both
+    sides. Each side's figure is the median over rounds; the ratio ours / llama-bench is the median of the
+    per-round ratios, with their range. The second value is None where the artifact is no GGUF file and carries
+    the reason when the tool is not built or fails."""
+    import dataclasses
+    import statistics
+
     from pipeline.errors import ConfigError
     from pipeline.llamatools import tool
+    from pipeline.probe import probe_speed
     from pipeline.runtimes.llamacpp import gguf_file
 
     try:
         gguf = gguf_file(artifact.path)        # llama-bench runs GGUF files
     except ConfigError:
-        return None
+        return probe_speed(cfg, variant, artifact, prompt), None
     try:
         exe = tool("llama-bench", cfg.bench.llama_tools)
     except ConfigError as exc:
-        return {"status": "skipped", "reason": str(exc)}
+        return probe_speed(cfg, variant, artifact, prompt), {"status": "skipped", "reason": str(exc)}
     from pipeline.load import serve_settings
 
     st = serve_settings(cfg, variant)
     sp = cfg.profile.speed
-    try:
-        tb = run_llama_bench(exe, gguf, st["threads"], st["n_batch"], st["flash_attn"],
-                             (st["cache_type_k"], st["cache_type_v"]), sp.prompt_tokens, sp.decode_tokens)
-    except (RuntimeError, OSError) as exc:
-        return {"status": "failed", "reason": str(exc)}
-    ratio = lambda a, b: (a / b) if a and b else None  # noqa: E731
-    return {"status": "ok", **tb,
-            "decode_ratio": ratio(speed["decode_tokens_per_s"], tb["decode_tokens_per_s"]),
-            "prefill_ratio": ratio(speed["prefill_tokens_per_s"], tb["prefill_tokens_per_s"])}
+    pcfg = dataclasses.replace(cfg, profile=dataclasses.replace(
+        cfg.profile, speed=dataclasses.replace(sp, repeats=LLAMA_BENCH_REPETITIONS)))
+    ours, tools = [], []
+    for _ in range(cfg.bench.rounds):
+        ours.append(probe_speed(pcfg, variant, artifact, prompt))
+        try:
+            tools.append(run_llama_bench(exe, gguf, st["threads"], st["n_batch"], st["flash_attn"],
+                                         (st["cache_type_k"], st["cache_type_v"]), sp.prompt_tokens, sp.decode_tokens))
+        except (RuntimeError, OSError) as exc:
+            return ours[-1], {"status": "failed", "reason": str(exc)}
+
+    def med(rows, key):
+        vals = [r[key] for r in rows if r.get(key)]
+        return float(statistics.median(vals)) if vals else None
+
+    speed = dict(ours[len(ours) // 2])      # memory and the other fields from one trial; speeds are medians
+    for key in ("decode_tokens_per_s", "prefill_tokens_per_s", "ttft_s"):
+        speed[key] = med(ours, key)
+    speed["cpu_noise"] = max((o["cpu_noise"] for o in ours if o.get("cpu_noise") is not None), default=None)
+    row = {"status": "ok", "rounds": len(tools), "repetitions": LLAMA_BENCH_REPETITIONS,
+           "prompt_tokens": sp.prompt_tokens, "gen_tokens": sp.decode_tokens, "depth": sp.prompt_tokens,
+           "decode_tokens_per_s": med(tools, "decode_tokens_per_s"),
+           "prefill_tokens_per_s": med(tools, "prefill_tokens_per_s"),
+           "detail": [t["detail"] for t in tools]}
+    for side in ("decode", "prefill"):
+        key = f"{side}_tokens_per_s"
+        per_round = [o[key] / t[key] for o, t in zip(ours, tools) if o.get(key) and t.get(key)]
+        row[f"{side}_ratio"] = float(statistics.median(per_round)) if per_round else None
+        row[f"{side}_ratio_range"] = [min(per_round), max(per_round)] if per_round else None
+        row[f"{side}_ours_per_round"] = [o.get(key) for o in ours]
+        row[f"{side}_tool_per_round"] = [t.get(key) for t in tools]
+    return speed, row
 
 
 def _served_against_batched_bench(cfg: Config, original) -> dict | None:
@@ -248,8 +284,11 @@ def format_bench(out: dict) -> str:
     tool_rows = {n: r["llama_bench"] for n, r in out["variants"].items() if r.get("llama_bench")}
     if tool_rows:
         lines.append("")
+        rounds = next((t.get("rounds") for t in tool_rows.values() if t.get("rounds")), 1)
         lines.append("single stream against llama-bench (same file, threads, batch, flash attention, KV types; decode "
-                     "at the probe's depth), ratio = ours / llama-bench:")
+                     f"at the probe's depth; {rounds} interleaved rounds of {LLAMA_BENCH_REPETITIONS} repetitions a "
+                     "side), "
+                     "ratio = ours / llama-bench, median of the rounds [range]:")
         lines.append(f"  {'variant':<22}{'decode ours':>12}{'llama-bench tg':>16}{'ratio':>7}{'prefill ours':>14}"
                      f"{'llama-bench pp':>16}{'ratio':>7}")
         for name, t in tool_rows.items():
@@ -257,9 +296,10 @@ def format_bench(out: dict) -> str:
             if t["status"] != "ok":
                 lines.append(f"  {name:<22}llama-bench {t['status']}: {t['reason']}")
                 continue
+            span = lambda k: ("" if not t.get(k) else f" [{t[k][0]:.2f}-{t[k][1]:.2f}]")  # noqa: E731
             lines.append(f"  {name:<22}{r['decode_tokens_per_s']:>12.1f}{t['decode_tokens_per_s']:>16.1f}"
-                         f"{t['decode_ratio']:>7.2f}{r['prefill_tokens_per_s']:>14.0f}"
-                         f"{t['prefill_tokens_per_s']:>16.0f}{t['prefill_ratio']:>7.2f}")
+                         f"{t['decode_ratio']:>7.2f}{span('decode_ratio_range')}{r['prefill_tokens_per_s']:>14.0f}"
+                         f"{t['prefill_tokens_per_s']:>16.0f}{t['prefill_ratio']:>7.2f}{span('prefill_ratio_range')}")
     served = out.get("served")
     if served and served.get("status") == "ok":
         lines.append("")

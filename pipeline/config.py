@@ -375,7 +375,7 @@ class BenchConfig:
     sequences: list = field(default_factory=lambda: [1, 4, 8, 16])
     prompt_tokens: int = 128
     gen_tokens: int = 128
-    rounds: int = 3                      # interleaved rounds (llama-batched-bench, then the pipeline's paths)
+    rounds: int = 3                      # interleaved rounds: the tool, then the pipeline (both comparisons)
     min_ratio: float = 0.9               # target: our speed-up / llama-batched-bench's speed-up
     llama_tools: str = ""                # folder with llama.cpp's tools; "" asks `make print-llama-tools`
 

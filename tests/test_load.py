@@ -332,3 +332,43 @@ def test_a_stored_sweep_is_judged_again_for_another_workload_without_measuring()
     q = batch["variants"]["q"]
     assert q["throughput_at_slo"] == 170 and q["knee_concurrency"] == 2 and q["recommended_concurrency"] == 2
     assert batch["workload"]["name"] == "batch"
+
+
+def test_the_probe_and_llama_bench_alternate_and_the_ratio_is_the_median_of_per_round_ratios(monkeypatch, tmp_path):
+    """make bench: probe trial, then llama-bench, bench.rounds times; each side repeats LLAMA_BENCH_REPETITIONS
+    times; a slow spell in one round moves that round's both sides, not the ratio."""
+    from types import SimpleNamespace
+
+    import pipeline.bench as bench
+    import pipeline.llamatools as llamatools
+    import pipeline.probe as probe
+    from tests.conftest import compose
+
+    cfg = compose(["bench.rounds=3", f"paths.artifacts={tmp_path}"])
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls = []
+    slow = iter([1.0, 0.5, 1.0])            # the machine halves its speed in round 2, for both sides
+
+    def fake_probe(pcfg, variant, artifact, prompt):
+        assert pcfg.profile.speed.repeats == bench.LLAMA_BENCH_REPETITIONS
+        calls.append("probe")
+        f = next(slow)
+        return {"decode_tokens_per_s": 45.0 * f, "prefill_tokens_per_s": 300.0 * f, "ttft_s": 1.0 / f,
+                "cpu_noise": 0.01, "peak_rss_mb": 200.0}
+
+    def fake_tool(exe, path, threads, n_batch, fa, kv, prompt, gen):
+        calls.append("llama-bench")
+        f = 0.5 if calls.count("llama-bench") == 2 else 1.0
+        return {"decode_tokens_per_s": 50.0 * f, "prefill_tokens_per_s": 310.0 * f, "detail": {}}
+
+    monkeypatch.setattr(probe, "probe_speed", fake_probe)
+    monkeypatch.setattr(bench, "run_llama_bench", fake_tool)
+    monkeypatch.setattr(llamatools, "tool", lambda name, where: tmp_path / name)
+    variant = SimpleNamespace(name="gguf_q8_0", runtime="llamacpp", runtime_options={})
+    speed, row = bench._probe_beside_llama_bench(cfg, variant, SimpleNamespace(path=gguf), [1] * 8)
+    assert calls == ["probe", "llama-bench"] * 3
+    assert row["rounds"] == 3 and row["decode_ratio"] == pytest.approx(0.9)
+    assert row["decode_ratio_range"] == pytest.approx([0.9, 0.9])
+    assert row["prefill_ratio"] == pytest.approx(300 / 310)
+    assert speed["decode_tokens_per_s"] == pytest.approx(45.0) and row["decode_tokens_per_s"] == pytest.approx(50.0)
