@@ -443,6 +443,7 @@ class LoadConfig:
     min_requests: int = 4                  # ... and at least this many
     max_seconds_per_level: float = 120.0   # ... or after this long (a level that completes nothing reports so)
     knee_gain: float = 0.10                # the knee: the level after which doubling adds less than this
+    stop_past_knee: bool = True            # a round stops climbing after two doublings that each added < knee_gain
     ctx_margin: int = 64                   # KV cells per slot beyond depth + output (chat template, rounding)
     memory_budget_gb: float | None = None  # null: the device's memory on CUDA, else the host's
 

@@ -44,18 +44,20 @@ TARGETS = {"max_ttft_p99_s": "ttft_p99_s", "max_itl_p99_s": "itl_p99_s", "max_e2
 
 def level_table(trials: list[list[dict] | None]) -> dict[int, dict]:
     """Per concurrency level, every figure's median over rounds with its interval and the rounds' values.
-    ``trials``: one list of per-level results per round (None for a round that failed)."""
-    by_level: dict[int, list[dict]] = {}
-    for levels in trials:
+    ``trials``: one list of per-level results per round (None for a round that failed). A level a round did not
+    measure (its climb ended past the knee) has None in that round's place, so the rounds' values of two levels
+    stay paired by round."""
+    by_level: dict[int, list[dict | None]] = {}
+    for r, levels in enumerate(trials):
         for row in levels or []:
-            by_level.setdefault(int(row["concurrency"]), []).append(row)
+            by_level.setdefault(int(row["concurrency"]), [None] * len(trials))[r] = row
     out = {}
     for c in sorted(by_level):
-        rows = by_level[c]
+        rows = [row for row in by_level[c] if row is not None]
         fig = {"concurrency": c, "rounds": len(rows), "completed": sum(r.get("completed", 0) for r in rows),
                "errored": sum(r.get("errored", 0) for r in rows)}
         for k in LEVEL_FIGURES:
-            values = [r.get(k) for r in rows]
+            values = [row.get(k) if row is not None else None for row in by_level[c]]
             iv = median_interval([v for v in values if v is not None])
             fig[k] = iv["estimate"] if iv else None
             fig[f"{k}_interval"] = iv
@@ -82,6 +84,18 @@ def knee(table: dict[int, dict], gain: float) -> dict:
         if s["gain"] is not None and s["gain"] < gain:
             return {"concurrency": s["from"], "reached": True, "steps": steps, "knee_gain": gain}
     return {"concurrency": levels[-1] if levels else None, "reached": False, "steps": steps, "knee_gain": gain}
+
+
+def past_the_knee(rows: list[dict], gain: float) -> bool:
+    """Whether one round's climb can end: its last two doublings each added less than ``gain`` aggregate output
+    tokens/s (the knee lies behind, and the next level is the costliest), or its last level completed no request.
+    One flat step is not enough: a single step of a noisy machine can look flat."""
+    if rows and not rows[-1].get("completed"):
+        return True
+    if len(rows) < 3:
+        return False
+    a, b, c = (r.get("output_tokens_per_s") or 0.0 for r in rows[-3:])
+    return a > 0 and b > 0 and b < a * (1 + gain) and c < b * (1 + gain)
 
 
 def judge_level(fig: dict, targets: dict) -> dict:
@@ -343,7 +357,8 @@ def _trial(plan: dict, exe: Path, version: str, depths: list[int], prompts: dict
         for depth in depths:
             levels = generate(server.url, prompts[depth], levels=plan["levels"], output_tokens=plan["output_tokens"],
                               requests_per_stream=lc.requests_per_stream, min_requests=lc.min_requests,
-                              max_seconds=lc.max_seconds_per_level, workdir=log_path.parent)
+                              max_seconds=lc.max_seconds_per_level, workdir=log_path.parent,
+                              stop=(lambda rows: past_the_knee(rows, lc.knee_gain)) if lc.stop_past_knee else None)
             for row in levels:
                 rss, dev = sampler.peak(row.get("start_time"), row.get("end_time"))
                 row["peak_rss_mb"], row["device_peak_mb"] = rss, dev
@@ -380,7 +395,8 @@ def summarize(trials: dict, plans: dict, skipped: dict, depths: list[int], cfg, 
     for name, why in skipped.items():
         variants[name] = {"status": "skipped", "reason": why}
     return rejudge({"depths": depths, "concurrency": list(lc.concurrency), "output_tokens": output_tokens(cfg),
-                    "repeats": lc.repeats, "knee_gain": lc.knee_gain, "memory_budget_mb": budget_mb,
+                    "repeats": lc.repeats, "knee_gain": lc.knee_gain, "stop_past_knee": lc.stop_past_knee,
+                    "memory_budget_mb": budget_mb,
                     "generator": generator, "profile": lc.name, "variants": variants}, cfg.workload)
 
 

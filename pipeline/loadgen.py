@@ -136,9 +136,10 @@ def wait_idle(url: str, timeout_s: float = 60.0) -> bool:
 
 
 def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_tokens: int, requests_per_stream: int,
-                 min_requests: int, max_seconds: float, workdir: Path) -> list[dict]:
+                 min_requests: int, max_seconds: float, workdir: Path, stop=None) -> list[dict]:
     """Every level in increasing order, one guidellm run each (see the module docstring); returns
-    ``parse_guidellm``'s rows. A level whose guidellm run fails raises with the tail of its log."""
+    ``parse_guidellm``'s rows. ``stop(rows)``, asked before each level after the first, ends the climb early (the
+    levels measured so far are returned). A level whose guidellm run fails raises with the tail of its log."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     data = workdir / f"prompts-{os.getpid()}.jsonl"
@@ -147,6 +148,9 @@ def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_toke
     rows = []
     try:
         for c in sorted(levels):
+            if rows and stop is not None and stop(rows):
+                log.info("load: climb ended before concurrency %d (past the knee)", c)
+                break
             wait_idle(url)
             count = max(min_requests, c * requests_per_stream)
             out = workdir / f"guidellm-{os.getpid()}-c{c}.json"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -224,9 +225,12 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
 
     calls = []
 
-    def generate(url, prompts, *, levels, output_tokens, requests_per_stream, min_requests, max_seconds, workdir):
+    def generate(url, prompts, *, levels, output_tokens, requests_per_stream, min_requests, max_seconds, workdir,
+                 stop=None):
         out = []
         for c in levels:
+            if out and stop and stop(out):
+                break
             start = time.time()
             for p in prompts[:c]:
                 reply = _chat(url, p, output_tokens)
@@ -372,3 +376,61 @@ def test_the_probe_and_llama_bench_alternate_and_the_ratio_is_the_median_of_per_
     assert row["decode_ratio_range"] == pytest.approx([0.9, 0.9])
     assert row["prefill_ratio"] == pytest.approx(300 / 310)
     assert speed["decode_tokens_per_s"] == pytest.approx(45.0) and row["decode_tokens_per_s"] == pytest.approx(50.0)
+
+
+def test_a_round_stops_climbing_after_two_flat_doublings_or_a_level_that_completed_nothing():
+    from pipeline.load import past_the_knee
+
+    def r(*tps):
+        return [{"concurrency": 2 ** i, "completed": 4, "output_tokens_per_s": t} for i, t in enumerate(tps)]
+
+    assert not past_the_knee(r(100, 105), 0.10)              # one flat step is not enough
+    assert not past_the_knee(r(100, 105, 150), 0.10)         # the second doubling still paid
+    assert not past_the_knee(r(100, 150, 160), 0.10)
+    assert past_the_knee(r(100, 105, 108), 0.10)
+    assert past_the_knee(r(100, 150, 155, 150), 0.10)
+    dead = r(100, 150)
+    dead[-1]["completed"] = 0
+    assert past_the_knee(dead, 0.10)
+
+
+def test_levels_a_round_skipped_stay_paired_by_round_in_the_knee():
+    # round 0 stopped after 4; round 1 measured 8 as well: level 8 has one round, in its own place
+    t0 = rows({1: {"output_tokens_per_s": 100.0}, 2: {"output_tokens_per_s": 104.0},
+               4: {"output_tokens_per_s": 106.0}})
+    t1 = rows({1: {"output_tokens_per_s": 50.0}, 2: {"output_tokens_per_s": 80.0}, 4: {"output_tokens_per_s": 100.0},
+               8: {"output_tokens_per_s": 200.0}})
+    table = level_table([t0, t1])
+    assert table[8]["rounds"] == 1 and table[8]["output_tokens_per_s_rounds"] == [None, 200.0]
+    steps = knee(table, 0.10)["steps"]
+    assert steps[-1]["from"] == 4 and steps[-1]["gain"] == pytest.approx(1.0)   # paired with round 1 only
+
+
+def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_path):
+    import pipeline.loadgen as loadgen
+
+    ran = []
+
+    def fake_run(cmd, **kw):
+        c = int(next(a for a in cmd if a.startswith("kind=concurrent")).split("streams=")[1])
+        ran.append(c)
+        out = next(a for a in cmd if a.startswith("kind=json,path=")).split("path=")[1]
+        Path(out).write_text(json.dumps({"c": c}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    flat = {1: 100.0, 2: 104.0, 4: 105.0, 8: 106.0, 16: 106.0}
+    monkeypatch.setattr(loadgen.subprocess, "run", fake_run)
+    monkeypatch.setattr(loadgen, "wait_idle", lambda url: True)
+    monkeypatch.setattr(loadgen, "guidellm_exe", lambda: Path("guidellm"))
+    monkeypatch.setattr(loadgen, "parse_guidellm",
+                        lambda rep: [{"concurrency": rep["c"], "completed": 4, "output_tokens_per_s": flat[rep["c"]]}])
+    from pipeline.load import past_the_knee
+
+    got = loadgen.run_guidellm("http://x", ["p"], levels=[1, 2, 4, 8, 16], output_tokens=4, requests_per_stream=2,
+                               min_requests=4, max_seconds=10, workdir=tmp_path,
+                               stop=lambda rows: past_the_knee(rows, 0.10))
+    assert ran == [1, 2, 4] and [r["concurrency"] for r in got] == [1, 2, 4]
+    ran.clear()
+    loadgen.run_guidellm("http://x", ["p"], levels=[1, 2, 4, 8, 16], output_tokens=4, requests_per_stream=2,
+                         min_requests=4, max_seconds=10, workdir=tmp_path)
+    assert ran == [1, 2, 4, 8, 16]

@@ -592,7 +592,10 @@ def _load_section(summary: dict) -> tuple | None:
         "above it, and is \"undecided\" otherwise. Knee: the first concurrency after which doubling adds less than "
         f"{sweep['knee_gain']:.0%} aggregate throughput (median of the paired per-round gains). The advice is to "
         "operate at or left of the knee and within the targets. Peak MB: the server process's resident memory (its "
-        "device memory from NVML on CUDA) sampled while the level ran."]
+        "device memory from NVML on CUDA) sampled while the level ran."
+        + (" A round stops climbing after two doublings that each added less than the knee gain, or after a level "
+           "that completed no request: a higher level's figures come from the rounds that reached it."
+           if sweep.get("stop_past_knee") else "")]
     if any(v["slo_depth"] != wl["context_tokens"] for v in ok.values()):
         blocks.append(f"This sweep did not measure the workload's own context ({wl['context_tokens']} tokens): the "
                       "targets were judged at the deepest context measured, which is optimistic (prefill and KV "
