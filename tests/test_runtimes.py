@@ -201,8 +201,9 @@ def test_batched_path_measured_beside_llama_batched_bench(built):
 
 def test_hf_batched_generation_agrees_with_one_sequence_at_a_time(built):
     """transformers, several prompts of different lengths left-padded in one batch: the same greedy tokens as one
-    at a time on at least 99 % of positions, each reply stopping at its own budget or stop id; the integer KV
-    cache decodes one sequence at a time (padding would enter its per-channel key ranges)."""
+    at a time on at least 99 % of positions, each reply stopping at its own budget or stop id; the same for the
+    integer KV cache, whose per-channel key ranges must not see the padding, folding its window every 4 tokens
+    while rows leave the batch."""
     from transformers import AutoTokenizer
 
     cfg, original, _ = built
@@ -226,7 +227,36 @@ def test_hf_batched_generation_agrees_with_one_sequence_at_a_time(built):
     cut = rt.generate_many([(i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets))], [stop_at], slots=3)
     assert cut[0].stop == "eos" and cut[0].ids == many[0].ids[:many[0].ids.index(stop_at)]
     rt.close()
-    kv = load_runtime(VariantConfig(name="original+kv_int8", runtime_options={
-        "kv_cache": {"bits": 8, "residual_length": 4, "score_chunk": 4}}), original.checkpoint, cfg)
-    assert not kv.batched
-    kv.close()
+    for bits in (8, 4):
+        kv = load_runtime(VariantConfig(name="original+kv_int", runtime_options={
+            "kv_cache": {"bits": bits, "residual_length": 4, "score_chunk": 4}}), original.checkpoint, cfg)
+        assert kv.batched
+        single = []
+        for p, n in zip(prompts, budgets):
+            kv.reset()
+            single.append(kv.generate(p, n, []).ids)
+        many = kv.generate_many([(i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets))], [], slots=3)
+        assert [len(g.ids) for g in many] == budgets
+        same = sum(a == b for s, g in zip(single, many) for a, b in zip(s, g.ids))
+        assert same / sum(budgets) >= 0.99, (bits, single, [g.ids for g in many])
+        kv.close()
+
+
+def test_padding_stays_out_of_the_integer_caches_key_ranges():
+    """A left-padded row quantizes its keys with the ranges of its real tokens alone: its codes, scales and zero
+    points equal those of the same row without padding."""
+    import torch
+
+    from pipeline.runtimes.kv_quant import IntKVLayer
+
+    torch.manual_seed(0)
+    real = torch.randn(1, 2, 5, 8)
+    padded = torch.cat([torch.full((1, 2, 3, 8), 50.0), real], dim=-2)   # pad keys far outside the real range
+    layer = IntKVLayer(bits=8)
+    layer.pads = torch.tensor([3])
+    with_pads = layer._quantize(padded, axis=-2)
+    layer.pads = None
+    alone = layer._quantize(real, axis=-2)
+    assert torch.equal(with_pads.scale, alone.scale) and torch.equal(with_pads.zero, alone.zero)
+    assert torch.equal(with_pads.data[..., 3:, :], alone.data)
+    assert not torch.equal(layer._quantize(padded, axis=-2).scale, alone.scale)    # without pads: ranges move

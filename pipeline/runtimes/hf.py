@@ -120,7 +120,6 @@ class HFRuntime(FullLogitsRuntime):
         self._cache = None
         self._cache_ids: list[int] = []
         self.kv = options.get("kv_cache")     # {"bits", "residual_length", "score_chunk"} or None
-        self.batched = not self.kv             # the integer cache decodes one sequence at a time
         if self.kv:
             kinds = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
             if kinds != {"full_attention"}:
@@ -219,8 +218,8 @@ class HFRuntime(FullLogitsRuntime):
         return Generation(ids=ids, stop=stop, prompt_tokens=len(prompt), prefill_tokens=len(prompt) - reuse,
                           ttft_s=ttft, decode_times_s=times)
 
-    # Several sequences decode together in one left-padded batch (the plain cache only: the integer cache takes
-    # per-channel key ranges over tokens, which padding would enter, so a KV variant decodes one at a time).
+    # Several sequences decode together in one left-padded batch (the integer cache keeps padding out of its
+    # per-channel key ranges: kv_quant.IntKVLayer.pads).
     batched = True
 
     @_inference_mode
@@ -234,7 +233,6 @@ class HFRuntime(FullLogitsRuntime):
         import time
 
         import torch
-        from transformers import DynamicCache
 
         if not self.batched or len(requests) <= 1:
             return super().generate_many(requests, stop_ids, slots)
@@ -245,7 +243,11 @@ class HFRuntime(FullLogitsRuntime):
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=dev)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        cache = self._new_cache()
+        if self.kv:
+            pads = torch.tensor([width - len(p) for p in prompts], dtype=torch.long, device=dev)
+            for layer in cache.layers:
+                layer.pads = pads
         t0 = time.perf_counter()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                          logits_to_keep=1)

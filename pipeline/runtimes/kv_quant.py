@@ -9,6 +9,12 @@ Layout (the KIVI recipe): keys are quantized per channel (min/max over tokens: o
 scale), values per token (min/max over channels), asymmetric, round-to-nearest. The newest ``residual_length``
 tokens stay in full precision; when the window fills, transformers' ``QuantizedLayer.update`` re-quantizes the
 whole cache with the window folded in.
+
+Batched decoding (several left-padded sequences, ``IntKVLayer.pads``): the padded positions are masked out of
+attention but would enter a row's per-channel key ranges, so before each quantization they take the row's first
+real key (ranges unchanged). A row's folds then see exactly the real tokens one sequence at a time would (the
+cache's padded length and the row's own length differ by its padding, the same at every step), and a row that
+leaves the batch goes through transformers' own deferred reorder of the quantized store.
 """
 
 from __future__ import annotations
@@ -66,12 +72,33 @@ class IntKVLayer(QuantizedLayer):
 
     def __init__(self, bits: int = 8, residual_length: int = 16):
         super().__init__(nbits=bits, axis_key=-2, axis_value=-1, residual_length=residual_length)
+        self.pads: torch.Tensor | None = None     # left padding of each batch row (batched decoding)
 
     def _quantize(self, tensor, axis):
+        if self.pads is not None and axis == -2 and int(self.pads.max()) > 0:
+            tensor = fill_pads(tensor, self.pads)
         return quantize(tensor, axis, self.nbits)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.pads is not None:
+            self.pads = self.pads.index_select(0, beam_idx.to(self.pads.device))
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only these batch rows: the quantized store is selected on its next dequantization (transformers'
+        deferred reorder), the full-precision window and the padding at once."""
+        self.reorder_cache(torch.as_tensor(indices, dtype=torch.long))
 
     def _dequantize(self, q_tensor):
         return dequantize(q_tensor)
+
+
+def fill_pads(x: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    """``x`` (batch, heads, tokens, dim) with each row's first ``pads[row]`` positions replaced by its first real
+    position, so that a min/max over tokens sees the real tokens only."""
+    t = x.shape[-2]
+    idx = torch.maximum(torch.arange(t, device=x.device)[None, :], pads.to(x.device)[:, None]).clamp_(max=t - 1)
+    return x.gather(-2, idx[:, None, :, None].expand(x.shape[0], x.shape[1], t, x.shape[3]))
 
 
 def new_cache(n_layers: int, bits: int, residual_length: int) -> Cache:
