@@ -287,8 +287,7 @@ def format_bench(out: dict) -> str:
         rounds = next((t.get("rounds") for t in tool_rows.values() if t.get("rounds")), 1)
         lines.append("single stream against llama-bench (same file, threads, batch, flash attention, KV types; decode "
                      f"at the probe's depth; {rounds} interleaved rounds of {LLAMA_BENCH_REPETITIONS} repetitions a "
-                     "side), "
-                     "ratio = ours / llama-bench, median of the rounds [range]:")
+                     "side), ratio = ours / llama-bench, median of the rounds [range]:")
         lines.append(f"  {'variant':<22}{'decode ours':>12}{'llama-bench tg':>16}{'ratio':>7}{'prefill ours':>14}"
                      f"{'llama-bench pp':>16}{'ratio':>7}")
         for name, t in tool_rows.items():

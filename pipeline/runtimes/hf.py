@@ -184,11 +184,12 @@ class HFRuntime(FullLogitsRuntime):
         self._cache = None
         self._cache_ids = []
 
-    def _new_cache(self):
+    def _new_cache(self, pads=None):
+        """A fresh cache; ``pads`` (left padding per batch row) matters to the integer cache only."""
         if self.kv:
             from pipeline.runtimes.kv_quant import new_cache
 
-            return new_cache(self.model.config.num_hidden_layers, self.kv["bits"], self.kv["residual_length"])
+            return new_cache(self.model.config.num_hidden_layers, self.kv["bits"], self.kv["residual_length"], pads)
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
@@ -240,14 +241,11 @@ class HFRuntime(FullLogitsRuntime):
         budgets = [int(r[2]) for r in requests]
         n, width = len(prompts), max(len(p) for p in prompts)
         dev = self.device
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=dev)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=dev)
+        pads = [width - len(p) for p in prompts]
+        ids = torch.tensor([[0] * k + p for k, p in zip(pads, prompts)], dtype=torch.long, device=dev)
+        mask = torch.tensor([[0] * k + [1] * len(p) for k, p in zip(pads, prompts)], dtype=torch.long, device=dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = self._new_cache()
-        if self.kv:
-            pads = torch.tensor([width - len(p) for p in prompts], dtype=torch.long, device=dev)
-            for layer in cache.layers:
-                layer.pads = pads
+        cache = self._new_cache(torch.tensor(pads, dtype=torch.long, device=dev))
         t0 = time.perf_counter()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                          logits_to_keep=1)

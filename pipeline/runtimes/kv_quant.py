@@ -101,9 +101,13 @@ def fill_pads(x: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
     return x.gather(-2, idx[:, None, :, None].expand(x.shape[0], x.shape[1], t, x.shape[3]))
 
 
-def new_cache(n_layers: int, bits: int, residual_length: int) -> Cache:
-    """A fresh cache (``generate`` never resets a cache object it is given: build one per sequence)."""
-    return Cache(layers=[IntKVLayer(bits, residual_length) for _ in range(n_layers)])
+def new_cache(n_layers: int, bits: int, residual_length: int, pads: torch.Tensor | None = None) -> Cache:
+    """A fresh cache (``generate`` never resets a cache object it is given: build one per sequence); ``pads``: the
+    left padding of each row of a batch."""
+    layers = [IntKVLayer(bits, residual_length) for _ in range(n_layers)]
+    for layer in layers:
+        layer.pads = pads
+    return Cache(layers=layers)
 
 
 def cache_bytes(cache: Cache) -> dict:
