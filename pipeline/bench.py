@@ -83,7 +83,7 @@ def run_bench(cfg: Config) -> int:
     out = {"model": cfg.model.name, "run": cfg.run.name, "threads": cfg.runtime.n_threads, "variants": rows}
     if cfg.bench.batched_variant:
         out["batched"] = _batched(cfg, original, renderer, suites)
-    out["served"] = _served_against_batched_bench(cfg, original)
+    out["served"] = _served_beside_batched_bench(cfg, original, renderer, suites)
     write_json(cfg.results_dir / "bench.json", out)
     print(format_bench(out))
     return 0
@@ -189,56 +189,94 @@ def _probe_beside_llama_bench(cfg: Config, variant, artifact, prompt: list[int])
     return speed, row
 
 
-def _served_against_batched_bench(cfg: Config, original) -> dict | None:
-    """The load sweep's aggregate output tokens/s at each concurrency N (this run's load.json, when `quantdrift load`
-    has run) next to llama-batched-bench's at the same N, threads, flash attention, KV types, context (prompt = the
-    sweep's depth) and output length: N x output tokens over the tool's whole wall, prefill included, as a served
-    level counts them. The tool decodes in lockstep with no HTTP, scheduling or tokenization: the ratio is what
-    serving costs on top of the engine's own batched decoding."""
+def _served_beside_batched_bench(cfg: Config, original, renderer, suites: dict, generate=None) -> dict | None:
+    """Every GGUF variant served as the load sweep serves it (a fresh llama-server, the sweep's levels at its first
+    depth, ``load`` settings) next to llama-batched-bench at the same N, threads, batch, flash attention, KV types,
+    prompt (the depth) and output length: N x output tokens over the tool's whole wall, prefill included, as a
+    served level counts them. The two alternate over ``bench.rounds`` rounds (served trial, then the tool), the
+    variants rotated by one place a round, so a slow spell of the machine lands on both sides of a ratio. Per level:
+    each side's median over rounds and the median of the per-round ratios, with their range. The tool decodes in
+    lockstep with no HTTP, scheduling or tokenization: the ratio is what serving costs on top of the engine's own
+    batched decoding. None where ``bench.served`` is off; skipped, with the reason, where a tool is not built."""
     import dataclasses
+    import statistics
 
+    from pipeline import load
     from pipeline.batched_bench import run_llama_batched_bench
+    from pipeline.engines.llama_server import engine_version
     from pipeline.errors import ConfigError, Skip
     from pipeline.llamatools import tool
-    from pipeline.load import load_sweep
-    from pipeline.quantizers import build_artifact
-    from pipeline.runtimes.llamacpp import gguf_file
 
-    sweep = load_sweep(cfg)
-    if not sweep:
+    if not cfg.bench.served:
         return None
     try:
+        server_exe = tool("llama-server", cfg.bench.llama_tools)
         exe = tool("llama-batched-bench", cfg.bench.llama_tools)
     except ConfigError as exc:
         return {"status": "skipped", "reason": str(exc)}
-    depth = str(sweep["depths"][0])
-    rows = {}
-    for name, v in sweep["variants"].items():
-        if v["status"] != "ok" or depth not in v["depths"]:
-            continue
-        variant = variant_of(cfg, name)
+    if generate is None:
+        from pipeline.loadgen import run_guidellm as generate
+    lc = dataclasses.replace(cfg.load, stop_past_knee=False)   # the same levels in every round
+    depth = lc.depths[0]
+    gpu = cfg.runtime.device.startswith("cuda")
+    budget_mb = load.memory_budget_mb(cfg, gpu)
+    plans, rows = {}, {}
+    for name in cfg.run.variants or [cfg.variant.name]:
         try:
-            artifact = build_artifact(variant, original, dataclasses.replace(cfg, variant=variant))
-        except Skip as exc:
+            plans[name] = load.plan_variant(cfg, name, original, [depth], budget_mb)
+        except (Skip, ConfigError) as exc:
             rows[name] = {"status": "skipped", "reason": str(exc)}
-            continue
-        st = v["settings"]
-        levels = sorted(int(c) for c in v["depths"][depth]["levels"])
-        try:
-            tool_rows = run_llama_batched_bench(exe, gguf_file(artifact.path), st["threads"], st["n_batch"],
-                                                st["flash_attn"], int(depth), sweep["output_tokens"], levels,
-                                                (st["cache_type_k"], st["cache_type_v"]))
-        except (RuntimeError, OSError) as exc:
-            rows[name] = {"status": "failed", "reason": str(exc)}
+    if not plans:
+        return {"status": "skipped", "reason": "no variant is served by llama-server",
+                "depth": depth, "variants": rows}
+    version = engine_version(server_exe)
+    prompts = {depth: load.load_prompts(renderer, suites, depth, max(max(p["levels"]) for p in plans.values()) * 2)}
+    logs = cfg.model_dir / "runs" / cfg.run.name / "bench-logs"
+    rounds: dict[str, list] = {name: [] for name in plans}
+    order = list(plans)
+    for r in range(cfg.bench.rounds):
+        k = r % len(order)
+        for name in order[k:] + order[:k]:
+            plan, st = plans[name], plans[name]["settings"]
+            log.info("bench: round %d/%d: %s served at %s, then llama-batched-bench", r + 1, cfg.bench.rounds,
+                     name, plan["levels"])
+            try:
+                trial = load.serve_trial(plan, server_exe, version, [depth], prompts, lc, gpu, generate,
+                                         logs / f"{name}.r{r}.log")
+                served = {int(x["concurrency"]): x for x in trial["depths"][str(depth)]}
+                tool_rows = run_llama_batched_bench(exe, plan["gguf"], st["threads"], st["n_batch"], st["flash_attn"],
+                                                    depth, plan["output_tokens"], plan["levels"],
+                                                    (st["cache_type_k"], st["cache_type_v"]))
+            except (RuntimeError, OSError) as exc:
+                log.error("bench: served comparison of %s failed: %s", name, exc)
+                rounds[name].append({"error": f"{type(exc).__name__}: {exc}"})
+                continue
+            rounds[name].append({"cpu_noise": trial.get("cpu_noise"), "levels": {
+                c: (served[c]["output_tokens_per_s"] if c in served else None, tool_rows[c]["output_tokens_per_s"])
+                for c in plan["levels"]}})
+
+    def med(xs):
+        xs = [x for x in xs if x]
+        return float(statistics.median(xs)) if xs else None
+
+    for name, plan in plans.items():
+        good = [t for t in rounds[name] if "error" not in t]
+        if not good:
+            rows[name] = {"status": "failed", "reason": rounds[name][0]["error"]}
             continue
         per = {}
-        for c in levels:
-            ours = v["depths"][depth]["levels"][str(c)]["output_tokens_per_s"]
-            theirs = tool_rows[c]["output_tokens_per_s"]
-            per[str(c)] = {"served_output_tokens_per_s": ours, "tool_output_tokens_per_s": theirs,
-                           "ratio": (ours / theirs) if ours and theirs else None}
-        rows[name] = {"status": "ok", "levels": per}
-    return {"status": "ok", "depth": int(depth), "output_tokens": sweep["output_tokens"], "variants": rows}
+        for c in plan["levels"]:
+            pairs = [t["levels"][c] for t in good]
+            ratios = [ours / theirs for ours, theirs in pairs if ours and theirs]
+            per[str(c)] = {"served_output_tokens_per_s": med([o for o, _ in pairs]),
+                           "tool_output_tokens_per_s": med([t for _, t in pairs]),
+                           "ratio": med(ratios), "ratio_range": [min(ratios), max(ratios)] if ratios else None,
+                           "served_per_round": [o for o, _ in pairs], "tool_per_round": [t for _, t in pairs]}
+        rows[name] = {"status": "ok", "rounds": len(good), "errors": [t["error"] for t in rounds[name] if "error" in t],
+                      "cpu_noise_rounds": [t["cpu_noise"] for t in good], "settings": plan["settings"],
+                      "engine_version": version, "levels": per}
+    return {"status": "ok", "depth": depth, "output_tokens": load.output_tokens(cfg), "rounds": cfg.bench.rounds,
+            "min_ratio": cfg.bench.min_ratio, "variants": rows}
 
 
 def _batched(cfg: Config, original, renderer, suites: dict) -> dict:
@@ -302,18 +340,25 @@ def format_bench(out: dict) -> str:
     served = out.get("served")
     if served and served.get("status") == "ok":
         lines.append("")
-        lines.append(f"served load sweep against llama-batched-bench (context {served['depth']}, "
-                     f"{served['output_tokens']} output tokens per request; output tok/s over the whole wall):")
+        lines.append(f"served (llama-server under guidellm) against llama-batched-bench at the same N (context "
+                     f"{served['depth']}, {served['output_tokens']} output tokens per request; output tok/s over the "
+                     f"whole wall, prefill included; {served.get('rounds', 1)} interleaved rounds), served / tool = "
+                     "ratio, median of the rounds [range]:")
         for name, r in served["variants"].items():
             if r["status"] != "ok":
                 lines.append(f"  {name:<22}{r['status']}: {r['reason']}")
                 continue
-            cells = "  ".join(f"N={c}: {x['served_output_tokens_per_s']:.1f} / {x['tool_output_tokens_per_s']:.1f} "
-                              f"= {x['ratio']:.2f}" if x["ratio"] is not None else f"N={c}: -"
-                              for c, x in r["levels"].items())
-            lines.append(f"  {name:<22}{cells}")
+            cells = []
+            for c, x in r["levels"].items():
+                if x["ratio"] is None:
+                    cells.append(f"N={c}: -")
+                    continue
+                span = f" [{x['ratio_range'][0]:.2f}-{x['ratio_range'][1]:.2f}]" if x.get("ratio_range") else ""
+                cells.append(f"N={c}: {x['served_output_tokens_per_s']:.1f} / {x['tool_output_tokens_per_s']:.1f}"
+                             f" = {x['ratio']:.2f}{span}")
+            lines.append(f"  {name:<22}" + "  ".join(cells))
     elif served:
-        lines.append(f"served load sweep against llama-batched-bench: skipped: {served['reason']}")
+        lines.append(f"served against llama-batched-bench: skipped: {served['reason']}")
     batched = out.get("batched")
     if batched:
         from pipeline.batched_bench import format_batched

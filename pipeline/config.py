@@ -378,6 +378,7 @@ class BenchConfig:
     rounds: int = 3                      # interleaved rounds: the tool, then the pipeline (both comparisons)
     min_ratio: float = 0.9               # target: our speed-up / llama-batched-bench's speed-up
     llama_tools: str = ""                # folder with llama.cpp's tools; "" asks `make print-llama-tools`
+    served: bool = True                  # the GGUF variants served (load settings) beside llama-batched-bench
 
     def __post_init__(self) -> None:
         _require(isinstance(self.sequences, list) and self.sequences
@@ -387,6 +388,7 @@ class BenchConfig:
             _positive_int(f"bench.{key}", getattr(self, key))
         _require(isinstance(self.min_ratio, (int, float)) and 0 < self.min_ratio <= 1, "bench.min_ratio",
                  self.min_ratio, "a number in (0, 1]")
+        _require(isinstance(self.served, bool), "bench.served", self.served, "true or false")
 
 
 @dataclass

@@ -244,20 +244,42 @@ def memory_budget_mb(cfg, gpu: bool) -> float:
     return psutil.virtual_memory().total / 2**20
 
 
+def plan_variant(cfg, name: str, original, depths: list[int], budget_mb: float) -> dict:
+    """What serves variant ``name`` and how: its engine, GGUF file, engine settings, the concurrency levels the
+    capacity plan lets fit ``budget_mb`` at the deepest of ``depths``, and a hash of the file. Raises Skip or
+    ConfigError with the reason where nothing serves it (no engine for its runtime, no artifact)."""
+    from pipeline.aggregate import kv_bytes_per_token_formula
+    from pipeline.config import variant_of
+    from pipeline.engines import engine_class
+    from pipeline.quantizers import build_artifact
+    from pipeline.runtimes import runtime_class
+    from pipeline.runtimes.llamacpp import gguf_file
+
+    lc = cfg.load
+    variant = variant_of(cfg, name)
+    engine = engine_class(variant.runtime)
+    artifact = build_artifact(variant, original, dataclasses.replace(cfg, variant=variant))
+    gguf = gguf_file(artifact.path)
+    settings = serve_settings(cfg, variant)
+    ctx_per_slot = max(depths) + output_tokens(cfg) + lc.ctx_margin
+    element = runtime_class(variant.runtime).cache_element_bytes(settings, original.facts["head_dim"])
+    kv_tok = kv_bytes_per_token_formula(original.facts, element)
+    fits = sequences_that_fit(budget_mb * 2**20, cfg.capacity.headroom, gguf.stat().st_size, kv_tok, ctx_per_slot)
+    levels, _ = levels_within(lc.concurrency, fits)
+    return {"engine": engine, "gguf": gguf, "settings": settings, "levels": levels, "fits": fits,
+            "output_tokens": output_tokens(cfg), "ctx_per_slot": ctx_per_slot,
+            "file_hash": stable_hash({"file": gguf.name, "size": gguf.stat().st_size,
+                                      "mtime": int(gguf.stat().st_mtime)})}
+
+
 def run_load(cfg, generate=None) -> dict:
     """Run (or resume) the sweep over ``cfg.run.variants``; writes ``load.json`` into the run's stage folder and
     ``cfg.results_dir``; returns it. ``generate``: the load generator (pipeline.loadgen.run_guidellm; tests pass a
     fake with the same signature)."""
-    from pipeline.aggregate import kv_bytes_per_token_formula
-    from pipeline.config import variant_of
     from pipeline.conversation import ChatRenderer
-    from pipeline.engines import engine_class
     from pipeline.llamatools import tool
     from pipeline.prepare import prepare
-    from pipeline.quantizers import build_artifact
     from pipeline.run import load_suites
-    from pipeline.runtimes import runtime_class
-    from pipeline.runtimes.llamacpp import gguf_file
 
     lc, wl = cfg.load, cfg.workload
     if generate is None:
@@ -276,27 +298,11 @@ def run_load(cfg, generate=None) -> dict:
     # per variant: what serves it, or why nothing does
     plans, skipped = {}, {}
     for name in names:
-        variant = variant_of(cfg, name)
         try:
-            engine = engine_class(variant.runtime)
-            artifact = build_artifact(variant, original, dataclasses.replace(cfg, variant=variant))
-            gguf = gguf_file(artifact.path)
+            plans[name] = plan_variant(cfg, name, original, depths, budget_mb)
         except (Skip, ConfigError) as exc:
             skipped[name] = f"{exc}" if "serving engine" in str(exc) else f"not served: {exc}"
             log.warning("load: %s skipped: %s", name, skipped[name])
-            continue
-        settings = serve_settings(cfg, variant)
-        ctx_per_slot = max(depths) + output_tokens(cfg) + lc.ctx_margin
-        element = runtime_class(variant.runtime).cache_element_bytes(settings, original.facts["head_dim"])
-        kv_tok = kv_bytes_per_token_formula(original.facts, element)
-        fits = sequences_that_fit(budget_mb * 2**20, cfg.capacity.headroom, gguf.stat().st_size, kv_tok,
-                                  ctx_per_slot)
-        levels, _ = levels_within(lc.concurrency, fits)
-        plans[name] = {"engine": engine, "gguf": gguf, "settings": settings, "levels": levels, "fits": fits,
-                       "output_tokens": output_tokens(cfg),
-                       "ctx_per_slot": ctx_per_slot,
-                       "file_hash": stable_hash({"file": gguf.name, "size": gguf.stat().st_size,
-                                                 "mtime": int(gguf.stat().st_mtime)})}
     exe = tool("llama-server", cfg.bench.llama_tools) if plans else None
     from pipeline.engines.llama_server import engine_version
 
@@ -325,7 +331,7 @@ def run_load(cfg, generate=None) -> dict:
                 log.info("load: round %d/%d: %s at concurrency %s, depths %s", r + 1, lc.repeats, name,
                          plans[name]["levels"], depths)
                 try:
-                    trial = _trial(plans[name], exe, version, depths, prompts, lc, gpu, generate,
+                    trial = serve_trial(plans[name], exe, version, depths, prompts, lc, gpu, generate,
                                    logs / f"{name}.r{r}.log")
                 except Exception as exc:    # one failed trial is reported; the other variants go on
                     log.error("load trial %s failed: %s", item, exc)
@@ -342,7 +348,7 @@ def run_load(cfg, generate=None) -> dict:
     return result
 
 
-def _trial(plan: dict, exe: Path, version: str, depths: list[int], prompts: dict, lc, gpu: bool, generate,
+def serve_trial(plan: dict, exe: Path, version: str, depths: list[int], prompts: dict, lc, gpu: bool, generate,
            log_path: Path) -> dict:
     """One round of one variant: a fresh server, then every depth's levels, with memory sampled per level."""
     engine = plan["engine"]

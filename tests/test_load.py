@@ -434,3 +434,70 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
     loadgen.run_guidellm("http://x", ["p"], levels=[1, 2, 4, 8, 16], output_tokens=4, requests_per_stream=2,
                          min_requests=4, max_seconds=10, workdir=tmp_path)
     assert ran == [1, 2, 4, 8, 16]
+
+
+def test_make_bench_serves_each_variant_then_runs_llama_batched_bench_in_alternating_rounds(monkeypatch, tmp_path):
+    """make bench's served comparison: per round every GGUF variant is served (a fresh server under the load
+    generator) and then llama-batched-bench runs at the same N on the same file; the variants rotate each round;
+    per level the ratio is the median of the per-round ratios; a variant nothing serves is skipped with why."""
+    from types import SimpleNamespace
+
+    import pipeline.batched_bench as batched_bench
+    import pipeline.bench as bench
+    import pipeline.engines.llama_server as llama_server
+    import pipeline.llamatools as llamatools
+    import pipeline.load as load
+    from pipeline.errors import Skip
+    from tests.conftest import compose
+
+    cfg = compose(["bench.rounds=3", f"paths.artifacts={tmp_path}", "run.variants=[original,a,b]",
+                   "load.concurrency=[1,2]", "load.depths=[256]", "load.output_tokens=16"])
+    calls = []
+    slow = {0: 1.0, 1: 0.5, 2: 1.0}          # round 2 runs at half speed, on both sides of each ratio
+
+    def plan(cfg_, name, original, depths, budget_mb):
+        assert depths == [256]
+        if name == "original":
+            raise Skip("no serving engine for 'hf' on cpu")
+        return {"gguf": tmp_path / f"{name}.gguf", "levels": [1, 2], "output_tokens": 16,
+                "settings": {"threads": 2, "n_batch": 512, "flash_attn": True, "cache_type_k": "f16",
+                             "cache_type_v": "f16"}}
+
+    def trial(plan_, exe, version, depths, prompts, lc, gpu, generate, log_path):
+        assert lc.stop_past_knee is False and depths == [256] and len(prompts[256]) == 4
+        r = int(log_path.name.split(".r")[1].split(".")[0])
+        calls.append(("serve", plan_["gguf"].stem, r))
+        f = slow[r]
+        return {"cpu_noise": 0.01, "depths": {"256": [
+            {"concurrency": 1, "output_tokens_per_s": 40.0 * f}, {"concurrency": 2, "output_tokens_per_s": 60.0 * f}]}}
+
+    def tool_run(exe, gguf, threads, n_batch, fa, prompt, gen, sequences, kv):
+        assert (prompt, gen, sequences, threads) == (256, 16, [1, 2], 2)
+        r = calls[-1][2]
+        calls.append(("tool", gguf.stem, r))
+        f = slow[r]
+        return {1: {"output_tokens_per_s": 50.0 * f}, 2: {"output_tokens_per_s": 60.0 * f}}
+
+    monkeypatch.setattr(load, "plan_variant", plan)
+    monkeypatch.setattr(load, "serve_trial", trial)
+    monkeypatch.setattr(load, "memory_budget_mb", lambda cfg_, gpu: 1000.0)
+    monkeypatch.setattr(load, "load_prompts", lambda renderer, suites, depth, n: ["text"] * n)
+    monkeypatch.setattr(batched_bench, "run_llama_batched_bench", tool_run)
+    monkeypatch.setattr(llamatools, "tool", lambda name, where: tmp_path / name)
+    monkeypatch.setattr(llama_server, "engine_version", lambda exe: "llama-server test")
+    out = bench._served_beside_batched_bench(cfg, SimpleNamespace(), None, {}, generate=lambda *a, **k: [])
+    assert [c[:2] for c in calls] == [("serve", "a"), ("tool", "a"), ("serve", "b"), ("tool", "b"),
+                                      ("serve", "b"), ("tool", "b"), ("serve", "a"), ("tool", "a"),
+                                      ("serve", "a"), ("tool", "a"), ("serve", "b"), ("tool", "b")]
+    assert out["variants"]["original"]["status"] == "skipped"
+    a = out["variants"]["a"]
+    assert a["status"] == "ok" and a["rounds"] == 3
+    one = a["levels"]["1"]
+    assert one["ratio"] == pytest.approx(0.8) and one["ratio_range"] == pytest.approx([0.8, 0.8])
+    assert a["levels"]["2"]["ratio"] == pytest.approx(1.0)
+    assert a["levels"]["1"]["served_output_tokens_per_s"] == pytest.approx(40.0)
+    text = bench.format_bench({"model": "m", "run": "quick", "threads": 2, "variants": {}, "served": out})
+    assert "N=1: 40.0 / 50.0 = 0.80" in text and "original" in text and "no serving engine" in text
+    # off: nothing is served
+    off = compose(["bench.served=false", f"paths.artifacts={tmp_path}"])
+    assert bench._served_beside_batched_bench(off, SimpleNamespace(), None, {}) is None
