@@ -25,9 +25,10 @@ else
 endif
 ARGS ?=
 
-# llama.cpp is built for an AVX2 baseline, not -march=native: some VMs advertise AMX/AVX-512 that the kernel
-# does not grant, and a native build then dies with SIGILL (seen here: `tilezero` in libggml-cpu). A portable
-# build also lets one cached wheel serve every x86-64 machine of this class.
+# The wheel's llama.cpp is built for an AVX2 baseline, not -march=native: some VMs advertise AMX/AVX-512 that the
+# kernel does not grant, and a native build then dies with SIGILL (seen here: `tilezero` in libggml-cpu). Where
+# `make llama-tools` has built the run-time-selected CPU modules (below), the pipeline loads those instead and the
+# wheel provides only the Python bindings.
 ifeq ($(TORCH),cuda)
   TORCH_INSTALL := torch==$(TORCH_VERSION) --index-url $(CUDA_INDEX)
   LLAMA_CMAKE ?= -DLLAVA_BUILD=OFF -DGGML_CUDA=on -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
@@ -72,25 +73,38 @@ $(LLAMA_WHEELS)/.built:
 	touch $@
 
 # llama.cpp's own tools (llama-perplexity, llama-bench, llama-batched-bench, llama-server, llama-quantize,
-# llama-imatrix), built from the same vendored llama.cpp as the wheel, with the same portable CPU flags, kept
-# outside the project like the wheel (5-15 min on two cores, once per machine). Never committed.
-LLAMA_TOOLS ?= $(HOME)/.cache/quantdrift/llama-tools/$(LLAMA_CPP_VERSION)-$(TORCH)
+# llama-imatrix), built from the same vendored llama.cpp as the wheel and kept outside the project like the wheel
+# (10-15 min on two cores, once per machine; never committed). They are built as llama.cpp's releases are:
+# GGML_BACKEND_DL with GGML_CPU_ALL_VARIANTS, one CPU module per x86 level, ggml loading the best this CPU has
+# (zen4 on an AVX-512 EPYC: 1.1-1.2x decode, 1.2-1.5x prefill over the AVX2 baseline). ggml picks by CPUID alone,
+# so the build then runs the chosen module once and deletes any that dies (SIGILL where a VM advertises AMX or
+# AVX-512 its OS does not grant): `python -m pipeline.llamatools prune`. The pipeline's llama.cpp runtime loads
+# these same libraries (pipeline.llamatools.use_tool_libraries), so both sides of every cross-check run the same
+# kernels.
+LLAMA_TOOLS ?= $(HOME)/.cache/quantdrift/llama-tools/$(LLAMA_CPP_VERSION)-$(TORCH)-dl
 LLAMA_TOOL_TARGETS ?= llama-perplexity llama-bench llama-batched-bench llama-server llama-quantize llama-imatrix
+ifeq ($(TORCH),cuda)
+  LLAMA_TOOLS_CMAKE ?= -DLLAVA_BUILD=OFF -DGGML_CUDA=on -DGGML_NATIVE=OFF
+else
+  LLAMA_TOOLS_CMAKE ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF
+endif
 llama-tools: $(LLAMA_TOOLS)/.built
-$(LLAMA_TOOLS)/.built:
+$(LLAMA_TOOLS)/.built: | $(VENV)/.installed
 	mkdir -p $(CACHE)/sdist $(LLAMA_TOOLS)
 	test -f $(CACHE)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz || \
 	  $(PYTHON) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(CACHE)/sdist
-	rm -rf $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/build && mkdir -p $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/bin
+	rm -rf $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/build $(LLAMA_TOOLS)/bin && mkdir -p $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/bin
 	tar -xzf $(CACHE)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_TOOLS)/src --strip-components=3 \
 	  llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp
-	@echo "building llama.cpp tools $(LLAMA_TOOL_TARGETS) (5-15 min on 2 cores, once per machine)"
-	cmake -S $(LLAMA_TOOLS)/src -B $(LLAMA_TOOLS)/build -G Ninja -DCMAKE_BUILD_TYPE=Release $(LLAMA_CMAKE) \
-	  -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	@echo "building llama.cpp tools $(LLAMA_TOOL_TARGETS) and its CPU modules (10-15 min on 2 cores, once per machine)"
+	cmake -S $(LLAMA_TOOLS)/src -B $(LLAMA_TOOLS)/build -G Ninja -DCMAKE_BUILD_TYPE=Release $(LLAMA_TOOLS_CMAKE) \
+	  -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DIR=$(LLAMA_TOOLS)/bin \
+	  -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON > $(LLAMA_TOOLS)/cmake.log
 	cmake --build $(LLAMA_TOOLS)/build -j2 --target $(LLAMA_TOOL_TARGETS) > $(LLAMA_TOOLS)/build.log
-	cp $(addprefix $(LLAMA_TOOLS)/build/bin/,$(LLAMA_TOOL_TARGETS)) $(LLAMA_TOOLS)/bin/
+	cp -a $(LLAMA_TOOLS)/build/bin/. $(LLAMA_TOOLS)/bin/
 	rm -rf $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/build
+	$(PY) -m pipeline.llamatools prune $(LLAMA_TOOLS)/bin
 	touch $@
 print-llama-tools:
 	@echo $(LLAMA_TOOLS)/bin

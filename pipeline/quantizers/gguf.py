@@ -91,7 +91,9 @@ def convert_to_f16(cfg: Config, checkpoint: Path, original_hash: str, model_name
 
 def quantize_file(src: Path, dst: Path, ftype_name: str, threads: int) -> None:
     """In-process llama_model_quantize (no importance matrix: llama-cpp-python cannot pass one)."""
-    import llama_cpp
+    from pipeline.llamatools import load_llama_cpp
+
+    llama_cpp = load_llama_cpp()
 
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}", None)
     if ftype is None:

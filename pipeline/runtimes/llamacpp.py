@@ -15,6 +15,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from pipeline.errors import ConfigError, Skip
+from pipeline.llamatools import load_llama_cpp
 from pipeline.runtimes.base import FullLogitsRuntime, Generation, greedy_decode, greedy_decode_many
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def gguf_file(artifact: Path) -> Path:
 
 
 def cuda_supported() -> bool:
-    import llama_cpp
+    llama_cpp = load_llama_cpp()
 
     return bool(llama_cpp.llama_supports_gpu_offload())
 
@@ -104,7 +105,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
         return info.get("cache_type_k")
 
     def __init__(self, artifact: Path, options: dict, rcfg: RuntimeConfig, trust_remote_code: bool = False):
-        import llama_cpp
+        llama_cpp = load_llama_cpp()
 
         path = gguf_file(artifact)
         if rcfg.device.startswith("cuda") and not cuda_supported():
@@ -172,7 +173,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
         self.llm.reset()
         multi = getattr(self, "_multi", None)
         if multi:
-            import llama_cpp
+            llama_cpp = load_llama_cpp()
 
             llama_cpp.llama_memory_clear(multi["ctx"].memory, True)
             multi["cached"] = [[] for _ in range(multi["slots"])]
@@ -202,7 +203,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
         """A second context over the same weights holding ``slots`` sequences, each with its own ``per_seq_ctx``
         cells (llama.cpp's split KV streams, as llama-batched-bench and llama-server's parallel slots use by
         default), and a batch able to carry one token per sequence or a prompt chunk. Kept while the shape fits."""
-        import llama_cpp
+        llama_cpp = load_llama_cpp()
         from llama_cpp import _internals
 
         have = getattr(self, "_multi", None)
@@ -232,7 +233,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
         measures the greedy-token agreement."""
         import time
 
-        import llama_cpp
+        llama_cpp = load_llama_cpp()
 
         if not requests:
             return []
@@ -300,7 +301,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
     def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One pass over ``ids`` in n_batch chunks, asking llama.cpp for output rows only at ``positions``: the
         vocabulary projection of every other token is skipped (about 30 % of prefill time on small models)."""
-        import llama_cpp
+        llama_cpp = load_llama_cpp()
 
         ids = [int(t) for t in ids]
         self._check_fits(len(ids))
@@ -336,7 +337,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
         # As llama.cpp's tools tokenize a text file (common_tokenize(ctx, text, add_special=true,
         # parse_special=false)): BOS where the GGUF's metadata says the model adds it, special-token strings as
         # plain text. Returns the ids and the BOS id when the model adds one (else None).
-        import llama_cpp
+        llama_cpp = load_llama_cpp()
 
         vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))
@@ -355,7 +356,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
         """KV bytes llama.cpp holds for the live sequence, as it serialises them (llama_state_seq_get_size: the
         K/V data of the filled cells plus 12 bytes of cell metadata each and a small header), and the size of
         the whole allocated cache from its own log at context creation."""
-        import llama_cpp
+        llama_cpp = load_llama_cpp()
 
         n = int(self.llm.n_tokens)
         if n == 0:

@@ -1,0 +1,70 @@
+"""The run-time-selected llama.cpp build: a CPU module that dies on this machine is removed so ggml's pick falls to
+the next one, and the pipeline's llama.cpp runtime loads the same libraries as the tools."""
+
+import os
+import stat
+import sys
+
+import pytest
+
+FAKE_BENCH = """#!/bin/sh
+# picks the best CPU module present, as ggml does by CPUID; the AMX one dies as on a VM that does not grant AMX
+dir=$(dirname "$0")
+for v in sapphirerapids zen4 haswell; do
+  if [ -f "$dir/libggml-cpu-$v.so" ]; then
+    echo "load_backend: loaded CPU backend from $dir/libggml-cpu-$v.so" >&2
+    if [ "$v" = sapphirerapids ]; then kill -ILL $$; fi
+    echo '{"avg_ts": 1.0}'
+    exit 0
+  fi
+done
+echo "no CPU backend found" >&2
+exit 1
+"""
+
+
+def fake_build(folder, modules):
+    folder.mkdir()
+    exe = folder / "llama-bench"
+    exe.write_text(FAKE_BENCH)
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    for m in modules:
+        (folder / f"libggml-cpu-{m}.so").write_bytes(b"")
+    (folder / "libllama.so").write_bytes(b"")
+    return folder
+
+
+def test_a_cpu_module_that_dies_is_removed_and_the_next_one_chosen(tmp_path):
+    from pipeline.llamatools import has_selectable_cpu, prune_cpu_variants
+
+    folder = fake_build(tmp_path / "bin", ["sapphirerapids", "zen4", "haswell"])
+    assert has_selectable_cpu(folder)
+    result = prune_cpu_variants(folder, tmp_path / "m.gguf")
+    assert result == {"variant": "zen4", "removed": ["sapphirerapids"]}
+    assert not (folder / "libggml-cpu-sapphirerapids.so").exists() and (folder / "libggml-cpu-zen4.so").exists()
+    assert prune_cpu_variants(folder, tmp_path / "m.gguf") == {"variant": "zen4", "removed": []}
+
+
+def test_no_runnable_cpu_module_fails_with_the_tools_output(tmp_path):
+    from pipeline.llamatools import prune_cpu_variants
+
+    folder = fake_build(tmp_path / "bin", ["sapphirerapids"])
+    with pytest.raises(RuntimeError, match="no CPU backend found") as err:
+        prune_cpu_variants(folder, tmp_path / "m.gguf")
+    assert "removed ['sapphirerapids']" in str(err.value)
+
+
+def test_the_pipeline_loads_the_tools_libraries_when_they_are_built(tmp_path, monkeypatch):
+    import pipeline.llamatools as lt
+
+    folder = fake_build(tmp_path / "bin", ["zen4"])
+    monkeypatch.setattr(lt, "_library_choice", [])
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    monkeypatch.setenv("QUANTDRIFT_LLAMA_TOOLS", str(folder))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    assert lt.use_tool_libraries() == str(folder) and os.environ["LLAMA_CPP_LIB_PATH"] == str(folder)
+    # a static build (no CPU modules): the wheel's own libraries
+    monkeypatch.setattr(lt, "_library_choice", [])
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH")
+    (folder / "libggml-cpu-zen4.so").unlink()
+    assert lt.use_tool_libraries() is None and "LLAMA_CPP_LIB_PATH" not in os.environ
