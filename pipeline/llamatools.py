@@ -114,9 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2 or args[0] != "prune":
         print("usage: python -m pipeline.llamatools prune FOLDER", file=sys.stderr)
         return 2
-    from pipeline.prepare import locate_packaged_file
+    import importlib.util
 
-    gguf = locate_packaged_file(EMBEDDED_GGUF)
+    package, _, rel = EMBEDDED_GGUF.partition("/")
+    found = importlib.util.find_spec(package)        # not pipeline.prepare: this module stays a leaf
+    gguf = next((Path(root) / rel for root in (found.submodule_search_locations or []) if (Path(root) / rel).is_file()),
+                None) if found else None
+    if gguf is None:
+        print(f"the embedded model {EMBEDDED_GGUF} is not installed (`make setup` installs it)", file=sys.stderr)
+        return 2
     result = prune_cpu_variants(Path(args[1]), gguf)
     (Path(args[1]) / "cpu-variant.json").write_text(json.dumps(result) + "\n")
     print(f"llama.cpp CPU kernels: {result['variant']}"

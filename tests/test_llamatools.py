@@ -59,7 +59,8 @@ def test_the_pipeline_loads_the_tools_libraries_when_they_are_built(tmp_path, mo
 
     folder = fake_build(tmp_path / "bin", ["zen4"])
     monkeypatch.setattr(lt, "_library_choice", [])
-    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "")    # recorded, so what the test sets is undone whatever was there
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH")
     monkeypatch.setenv("QUANTDRIFT_LLAMA_TOOLS", str(folder))
     monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
     assert lt.use_tool_libraries() == str(folder) and os.environ["LLAMA_CPP_LIB_PATH"] == str(folder)
