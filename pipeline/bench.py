@@ -200,6 +200,7 @@ def _served_beside_batched_bench(cfg: Config, original, renderer, suites: dict, 
     batched decoding. None where ``bench.served`` is off; skipped, with the reason, where a tool is not built."""
     import dataclasses
     import statistics
+    import subprocess
 
     from pipeline import load
     from pipeline.batched_bench import run_llama_batched_bench
@@ -247,7 +248,7 @@ def _served_beside_batched_bench(cfg: Config, original, renderer, suites: dict, 
                 tool_rows = run_llama_batched_bench(exe, plan["gguf"], st["threads"], st["n_batch"], st["flash_attn"],
                                                     depth, plan["output_tokens"], plan["levels"],
                                                     (st["cache_type_k"], st["cache_type_v"]))
-            except (RuntimeError, OSError) as exc:
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:    # reported; the others go on
                 log.error("bench: served comparison of %s failed: %s", name, exc)
                 rounds[name].append({"error": f"{type(exc).__name__}: {exc}"})
                 continue
