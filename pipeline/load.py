@@ -456,6 +456,12 @@ def advice(v: dict, bold: str = "") -> str:
     return f"{knee_txt}; {slo}; {rec} (context {v['slo_depth']})"
 
 
+def numeric_order(table: dict) -> list[tuple[str, object]]:
+    """A table keyed by numbers written as text (depths, concurrency levels), in numeric order: load.json is read
+    back with its keys sorted as text, which puts 16 before 2."""
+    return sorted(table.items(), key=lambda kv: float(kv[0]))
+
+
 def format_load(result: dict) -> str:
     """The sweep as text: per variant and depth, one line per level; then knee, targets and throughput_at_slo."""
     wl = result["workload"]
@@ -468,10 +474,10 @@ def format_load(result: dict) -> str:
             continue
         lines.append(f"{name} on {v['engine']} ({v['settings']['threads']} threads, {v['settings']['slots']} slots, "
                      f"KV {v['settings']['cache_type_k']}/{v['settings']['cache_type_v']}):")
-        for depth, block in v["depths"].items():
+        for depth, block in numeric_order(v["depths"]):
             lines.append(f"  context {depth}: {'conc':>5}{'out tok/s':>11}{'req/s':>7}{'TTFT p50/p99 s':>17}"
                          f"{'ITL p50/p99 ms':>17}{'e2e p99 s':>11}{'peak MB':>9}  verdict")
-            for c, f in block["levels"].items():
+            for c, f in numeric_order(block["levels"]):
                 verdict = block["operating_point"]["verdicts"][c]["verdict"]
                 lines.append(f"  {'':<{9 + len(depth)}}{c:>5}{fmt(f['output_tokens_per_s'], '11.1f')}"
                              f"{fmt(f['requests_per_s'], '7.2f')}"

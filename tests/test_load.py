@@ -501,3 +501,27 @@ def test_make_bench_serves_each_variant_then_runs_llama_batched_bench_in_alterna
     # off: nothing is served
     off = compose(["bench.served=false", f"paths.artifacts={tmp_path}"])
     assert bench._served_beside_batched_bench(off, SimpleNamespace(), None, {}) is None
+
+
+def test_levels_and_depths_read_back_from_load_json_print_in_numeric_order(tmp_path):
+    """load.json comes back with its keys sorted as text (16 before 2, 4096 before 512); the table, the report's
+    rows and the plots' lines follow the numbers."""
+    from pipeline.config import WorkloadConfig
+    from pipeline.load import format_load, rejudge
+    from pipeline.store import read_json, write_json
+
+    table = sweep({1: [100] * 3, 2: [150] * 3, 4: [170] * 3, 16: [171] * 3})
+    levels = {str(c): f for c, f in table.items()}
+    result = {"memory_budget_mb": None, "knee_gain": 0.1, "workload": {}, "profile": "full", "output_tokens": 8,
+              "repeats": 3, "generator": "test",
+              "variants": {"q": {"status": "ok", "engine": "llama-server",
+                                 "settings": {"threads": 2, "slots": 16, "cache_type_k": "f16", "cache_type_v": "f16"},
+                                 "depths": {"512": {"levels": levels}, "4096": {"levels": levels}}}}}
+    write_json(tmp_path / "load.json", result)
+    back = rejudge(read_json(tmp_path / "load.json"), WorkloadConfig(name="batch", max_ttft_p99_s=None,
+                                                                     max_itl_p99_s=None))
+    assert list(back["variants"]["q"]["depths"]["512"]["levels"]) == ["1", "16", "2", "4"]     # as stored
+    rows = [ln.split()[0] for ln in format_load(back).splitlines() if ln.strip()[:2].strip().isdigit()]
+    assert rows == ["1", "2", "4", "16"] * 2
+    text = format_load(back)
+    assert text.index("context 512") < text.index("context 4096")

@@ -197,8 +197,8 @@ def _load_plots(plt, sweep: dict, out_dir: Path, colors: dict[str, str]) -> dict
         for ax, depth in zip(axes[0], depths):
             for name, v in ok.items():
                 levels = (v["depths"].get(depth) or {}).get("levels") or {}
-                pts = [(int(c), f[figure], f.get(figure + "_interval")) for c, f in levels.items()
-                       if f.get(figure) is not None]
+                pts = sorted((int(c), f[figure], f.get(figure + "_interval")) for c, f in levels.items()
+                             if f.get(figure) is not None)
                 if not pts:
                     continue
                 xs = [p[0] for p in pts]

@@ -563,9 +563,11 @@ def _load_section(summary: dict) -> tuple | None:
     head = ["variant", "context", "concurrency", "output tok/s", "req/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms",
             "ITL p99 ms", "e2e p99 s", "peak MB", "targets"]
     rows = []
+    from pipeline.load import numeric_order
+
     for name, v in ok.items():
-        for depth, block in v["depths"].items():
-            for c, f in block["levels"].items():
+        for depth, block in numeric_order(v["depths"]):
+            for c, f in numeric_order(block["levels"]):
                 peak = f.get("device_peak_mb") if f.get("device_peak_mb") is not None else f.get("peak_rss_mb")
                 rows.append([name, depth, c, iv(f, "output_tokens_per_s", ".1f"), iv(f, "requests_per_s", ".2f"),
                              iv(f, "ttft_p50_s", ".2f"), iv(f, "ttft_p99_s", ".2f"), iv(f, "itl_p50_s", ".0f", 1e3),
