@@ -1,7 +1,7 @@
 """`make bench`, batched decoding: the pipeline's batched llama.cpp path (``LlamaCppRuntime.generate_many``, what
 ``profile.batch`` > 1 uses for free-running) against llama.cpp's own ``llama-batched-bench`` built from the same
-vendored source, on the same GGUF file, threads, batch size, flash-attention setting, prompt and reply lengths and
-numbers of sequences.
+vendored source, on the same GGUF file, threads, batch size, flash-attention setting, KV layout (one buffer for
+all sequences, or one stream each: ``runtime.kv_unified``), prompt and reply lengths and numbers of sequences.
 
 Per round (rounds interleave, so drift in the machine's speed hits every path alike): llama-batched-bench over
 every number of sequences, then our single-sequence path (``generate``, what ``profile.batch=1`` uses), then our
@@ -46,12 +46,13 @@ def parse_batched_bench(text: str) -> dict[int, dict]:
 
 def run_llama_batched_bench(exe: Path, gguf: Path, threads: int, n_batch: int, flash_attn: bool, prompt: int,
                             gen: int, sequences: list[int], cache_types: tuple[str, str] = ("f16", "f16"),
-                            timeout: float = 900) -> dict[int, dict]:
-    """One llama-batched-bench run over every number of sequences, split KV streams (as our batched context)."""
+                            timeout: float = 900, kv_unified: bool = False) -> dict[int, dict]:
+    """One llama-batched-bench run over every number of sequences: one KV buffer for all (``kv_unified``, as our
+    batched context by default) or one KV stream per sequence (as llama-server with ``-np N``)."""
     cmd = [str(exe), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
            "-ctk", cache_types[0], "-ctv", cache_types[1],
            "-c", str(max(sequences) * (prompt + gen)), "-b", str(n_batch), "-ub", str(n_batch),
-           "-fa", "on" if flash_attn else "off", "-no-kvu", "-ngl", "0",
+           "-fa", "on" if flash_attn else "off", "-kvu" if kv_unified else "-no-kvu", "-ngl", "0",
            "-npp", str(prompt), "-ntg", str(gen), "-npl", ",".join(str(n) for n in sequences),
            "--output-format", "jsonl"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **child_options())
@@ -111,7 +112,8 @@ def compare_batched(cfg, variant, gguf: Path, prompts: list[list[int]]) -> dict:
         rt.generate_many([(i, prompts[i], 2) for i in range(top)], [], slots=top)    # warm-up, builds the context
         for r in range(b.rounds):
             tool_rows = run_llama_batched_bench(exe, gguf, threads, n_batch, flash, b.prompt_tokens, b.gen_tokens,
-                                                seqs, (rt.info["cache_type_k"], rt.info["cache_type_v"]))
+                                                seqs, (rt.info["cache_type_k"], rt.info["cache_type_v"]),
+                                                kv_unified=rt.info["kv_unified"])
             k = r % top
             rt.reset()
             single = _aggregate_decode([rt.generate(prompts[k], b.gen_tokens, [])])
@@ -145,7 +147,8 @@ def compare_batched(cfg, variant, gguf: Path, prompts: list[list[int]]) -> dict:
     judged = [n for n in seqs if n > 1 and rows[n]["ratio"] is not None]
     return {
         "variant": b.batched_variant, "file": gguf.name, "threads": threads, "n_batch": n_batch,
-        "flash_attn": flash, "prompt_tokens": b.prompt_tokens, "gen_tokens": b.gen_tokens, "rounds": b.rounds,
+        "flash_attn": flash, "kv_unified": rt.info["kv_unified"], "prompt_tokens": b.prompt_tokens,
+        "gen_tokens": b.gen_tokens, "rounds": b.rounds,
         "single_decode_tokens_per_s": single, "tool_single_decode_tokens_per_s": tool1,
         "single_rounds": [x["single"] for x in rounds], "sequences": {str(n): rows[n] for n in seqs},
         "min_ratio": b.min_ratio,
@@ -157,7 +160,9 @@ def compare_batched(cfg, variant, gguf: Path, prompts: list[list[int]]) -> dict:
 
 def format_batched(out: dict) -> str:
     lines = [f"batched decoding, {out['variant']} ({out['file']}): {out['threads']} threads, n_batch "
-             f"{out['n_batch']}, flash attention {'on' if out['flash_attn'] else 'off'}, {out['prompt_tokens']}-token "
+             f"{out['n_batch']}, flash attention {'on' if out['flash_attn'] else 'off'}, "
+             f"{'one KV buffer for all sequences' if out.get('kv_unified') else 'one KV stream per sequence'}, "
+             f"{out['prompt_tokens']}-token "
              f"prompts + {out['gen_tokens']} generated, median of {out['rounds']} interleaved rounds",
              f"  single-sequence path (generate): {out['single_decode_tokens_per_s']:.1f} tok/s decode",
              f"{'  sequences':<13}{'ours tok/s':>11}{'speed-up':>10}{'llama-batched-bench':>21}{'speed-up':>10}"

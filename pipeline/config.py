@@ -234,8 +234,26 @@ class RuntimeConfig:
     n_batch: int = 512            # llama.cpp batch for prefill and scoring
     n_gpu_layers: int = -1        # llama.cpp layers offloaded when device is cuda
     flash_attn: bool = True       # llama.cpp: flash attention for every variant (a quantized V cache requires it)
+    # llama.cpp, several sequences decoded together (profile.batch > 1): one KV stream per sequence (false, the
+    # default), or one KV buffer shared by all (llama-server's layout when its slot count is left to it); see
+    # conf/config.yaml for what each costs
+    kv_unified: bool = False
+    # Free-running replies: greedy, with this repetition penalty on the last repeat_last_n tokens (1.0: none); the
+    # same arithmetic on every runtime (runtimes.base.TokenChoice). Teacher-forced scoring never sees it.
+    repeat_penalty: float = 1.1
+    repeat_last_n: int = 64
+    repeat_scope: str = "reply"   # reply: the reply's own tokens only; context: the prompt's too (llama.cpp's window)
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.repeat_penalty, (int, float)) and not isinstance(self.repeat_penalty, bool)
+                 and 1.0 <= self.repeat_penalty <= 2.0, "runtime.repeat_penalty", self.repeat_penalty,
+                 "a number from 1.0 (no penalty) to 2.0")
+        self.repeat_penalty = float(self.repeat_penalty)
+        _require(isinstance(self.repeat_last_n, int) and not isinstance(self.repeat_last_n, bool)
+                 and 0 <= self.repeat_last_n <= 4096, "runtime.repeat_last_n", self.repeat_last_n,
+                 "an integer from 0 to 4096 (0: no penalty)")
+        _require(self.repeat_scope in ("reply", "context"), "runtime.repeat_scope", self.repeat_scope,
+                 "reply or context")
         ok = self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         _require(ok, "runtime.device", self.device, "auto, cpu, cuda or cuda:N")
         _require(isinstance(self.threads, int) and self.threads >= 0, "runtime.threads", self.threads,

@@ -21,6 +21,7 @@ from pipeline.prompts import Conversation
 from pipeline.quantizers.base import Artifact
 from pipeline.reference import SuiteReference, context_needed, n_ctx_for
 from pipeline.runtimes import load_runtime, runtime_class
+from pipeline.runtimes.base import decoding_key
 from pipeline.store import Journal, read_json, run_stage, write_json, write_jsonl
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,7 @@ def _runtime_key(cfg: Config, artifact: Artifact) -> dict:
     variant = cfg.variant
     return {"variant": variant.name, "artifact": artifact.hash, "runtime": variant.runtime,
             "runtime_options": variant.runtime_options, "threads": cfg.runtime.n_threads, "device": cfg.runtime.device,
-            "runtime_settings": runtime_class(variant.runtime).key_settings(cfg.runtime)}
+            "runtime_settings": runtime_class(variant.runtime).key_settings(cfg.runtime), **decoding_key(cfg.runtime)}
 
 
 def reuses_reference(cfg: Config, artifact: Artifact, producer: dict) -> bool:

@@ -83,7 +83,9 @@ def probe_spec(cfg, variant, artifact, prompt_ids: list[int]) -> dict:
         "artifact": str(artifact.path),
         "options": {**variant.runtime_options,
                     "n_ctx": ((len(prompt_ids) + sp.decode_tokens + 64 + 255) // 256) * 256},
-        "runtime_cfg": asdict(cfg.runtime),
+        # the engine's decode as llama-bench times it: plain argmax, no repetition penalty (the penalty's per-token
+        # numpy pass is the pipeline's, not the format's, and would only blur the comparison with llama-bench)
+        "runtime_cfg": {**asdict(cfg.runtime), "repeat_penalty": 1.0},
         "trust_remote_code": cfg.model.trust_remote_code,
         "prompt_ids": prompt_ids,
         "decode_tokens": sp.decode_tokens,

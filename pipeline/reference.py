@@ -20,6 +20,7 @@ from pipeline.conversation import ChatRenderer, base_messages, free_run
 from pipeline.prepare import Original
 from pipeline.prompts import Conversation
 from pipeline.runtimes import load_runtime
+from pipeline.runtimes.base import decoding_key
 from pipeline.store import Journal, journal_path, read_jsonl, run_stage, stable_hash, write_jsonl
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,7 @@ def build_reference(cfg: Config, original: Original, renderer: ChatRenderer, sui
         **({"batch": cfg.profile.batch} if cfg.profile.batch > 1 else {}),   # batched arithmetic: other last bits
         "template": original.facts.get("chat_template_hash"),
         "runtime_settings": runtime_class(producer["variant"].runtime).key_settings(cfg.runtime),
+        **decoding_key(cfg.runtime),
     }
     stop_ids = original.facts["eos_token_ids"]
 

@@ -41,6 +41,8 @@ def test_defaults_are_the_embedded_model_and_a_gguf_variant():
     ("decision.objective=vibes", "decision.objective='vibes'"),
     ("reference.top_k=0", "reference.top_k=0"),
     ("command=dance", "command='dance'"),
+    ("runtime.repeat_penalty=0.9", "runtime.repeat_penalty=0.9 is not valid: expected a number from 1.0"),
+    ("runtime.repeat_scope=all", "runtime.repeat_scope='all' is not valid: expected reply or context"),
 ])
 def test_bad_values_name_the_key_the_value_and_what_is_allowed(override, needle):
     with pytest.raises(ConfigError, match="expected|not a known") as exc:

@@ -100,6 +100,27 @@ def test_other_hardware_compares_only_hardware_independent_metrics(gate):
     assert gate(new, base, "regress.compare_all=true")[0] == 1
 
 
+def test_replies_decoded_another_way_are_not_compared_on_their_checks(gate):
+    """A baseline decoded with plain greedy (a summary from before run.decoding) against a run with a repetition
+    penalty: pass and flip rates are left out and said so; drift (teacher-forced) is still judged."""
+    base, new = _summary(), _summary()
+    new["run"]["decoding"] = {"repeat_penalty": 1.1, "repeat_last_n": 64, "repeat_scope": "reply"}
+    new["variants"]["gguf_q4_0"]["drift"]["pass_rate"] = 0.0          # would fail under the same decoding
+    new["variants"]["gguf_q4_0"]["intervals"]["pass_rate"] = {"estimate": 0.0, "low": 0.0, "high": 0.01}
+    code, junit, md = gate(new, base)
+    assert code == 0, md
+    assert "decoded differently (repeat_penalty 1.0 -> repeat_penalty 1.1" in md and "pass_rate" in md
+    skipped = {tc.get("name"): tc.find("skipped").get("message") for tc in junit.iter("testcase")
+               if tc.find("skipped") is not None}
+    assert "decoded differently" in skipped["pass_rate"]
+    assert not any(c.get("name") == "pass_rate" for c in junit.iter("testcase") if c.find("skipped") is None)
+    same = copy.deepcopy(new)
+    same["variants"] = base["variants"]
+    assert gate(new, same)[0] == 1                                  # the same decoding: the drop is judged
+    new["variants"]["gguf_q4_0"]["drift"]["kld_mean"] = 5.0           # drift is judged across decodings
+    assert gate(new, base)[0] == 1
+
+
 def test_bad_baseline_and_failed_run(gate, tmp_path):
     write_json(tmp_path / "results" / MODEL / "nightly" / "summary.json", _summary())
     cfg = compose(["command=regress", "run.name=nightly", f"paths.results={tmp_path / 'results'}",

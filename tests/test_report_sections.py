@@ -141,6 +141,14 @@ def test_build_summary_validates_before_returning(tmp_path, monkeypatch):
         mod.build_summary(cfg)
 
 
+def test_the_report_states_how_free_running_replies_were_decoded(tmp_path):
+    s = three_variants()
+    assert "greedy (argmax)" in render_markdown(s, {})       # a summary from before run.decoding: plain greedy
+    s["run"]["decoding"] = {"repeat_penalty": 1.1, "repeat_last_n": 64, "repeat_scope": "reply"}
+    assert "repetition penalty of 1.1 on the reply's last 64 tokens" in render_markdown(s, {})
+    assert "repetition penalty of 1.1 on the reply" in render_html(s, tmp_path, {}, [])   # ' is escaped there
+
+
 # ------------------------------------------------------------------------------------------ tables
 
 

@@ -79,10 +79,10 @@ def test_generation_is_greedy_reuses_prefixes_and_reports_kv(built):
         cold = rt.generate(prompt, 12, [])
         assert len(cold.ids) == 12 and cold.stop == "length" and cold.prefill_tokens == 40
         assert len(cold.decode_times_s) == 11 and cold.ttft_s > 0
-        # teacher-forced argmax along the generated stream reproduces the greedy tokens
+        # teacher-forced logits along the generated stream reproduce the tokens (argmax after the run's penalty)
         stream = prompt + cold.ids
-        lp = rt.logprobs(stream, list(range(39, 39 + 12)))
-        assert lp.argmax(-1).tolist() == cold.ids
+        logits = rt.logits(stream, list(range(39, 39 + 12)))
+        assert [rt.choice.pick(logits[k], prompt, cold.ids[:k]) for k in range(12)] == cold.ids
         # a follow-up prompt that extends the last one reuses the cache and gives the same result as cold
         follow = prompt + cold.ids + prompt[:5]
         warm = rt.generate(follow, 6, [])
@@ -163,10 +163,12 @@ def test_llama_batched_bench_output_is_parsed_among_log_lines():
                                              "pp": 128, "tg": 128, "output_tokens_per_s": 4 * 128 / 3.1}}
 
 
-def test_batched_path_measured_beside_llama_batched_bench(built):
+@pytest.mark.parametrize("kv_unified", [False, True])
+def test_batched_path_measured_beside_llama_batched_bench(built, kv_unified):
     """`make bench`'s comparison on the tiny model: llama-batched-bench (built from the same vendored source) and the
-    pipeline's single and batched paths, interleaved; speed-ups against single-sequence decoding, the greedy-token
-    agreement of the batched path and its determinism."""
+    pipeline's single and batched paths, interleaved, in the same KV layout (one stream per sequence, or one buffer
+    for all: runtime.kv_unified); speed-ups against single-sequence decoding, the greedy-token agreement of the
+    batched path and its determinism."""
     import dataclasses
 
     from transformers import AutoTokenizer
@@ -185,8 +187,10 @@ def test_batched_path_measured_beside_llama_batched_bench(built):
     tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
     base = tok(TEXT, add_special_tokens=False)["input_ids"]
     prompts = [base[i * 5:i * 5 + 16] for i in range(3)]
-    cfg = dataclasses.replace(cfg, bench=BenchConfig(sequences=[1, 3], prompt_tokens=16, gen_tokens=12, rounds=2))
+    cfg = dataclasses.replace(cfg, bench=BenchConfig(sequences=[1, 3], prompt_tokens=16, gen_tokens=12, rounds=2),
+                              runtime=dataclasses.replace(cfg.runtime, kv_unified=kv_unified))
     out = compare_batched(cfg, VariantConfig(name="q8", runtime="llamacpp"), gguf_file(arts["Q8_0"].path), prompts)
+    assert out["kv_unified"] is kv_unified
     assert set(out["sequences"]) == {"1", "3"}
     one, three = out["sequences"]["1"], out["sequences"]["3"]
     assert one["tool_speedup"] == pytest.approx(1.0)
@@ -195,6 +199,7 @@ def test_batched_path_measured_beside_llama_batched_bench(built):
     assert three["ratio"] == pytest.approx(three["speedup"] / three["tool_speedup"])
     assert three["agreement"] >= 0.99 and three["deterministic"]
     assert "llama-batched-bench" in format_batched(out)
+    assert ("one KV buffer for all sequences" in format_batched(out)) is kv_unified
     with pytest.raises(ConfigError, match="make llama-tools"):
         tool("llama-batched-bench", str(original.checkpoint))      # a folder without the tool
 
@@ -258,3 +263,70 @@ def test_padding_stays_out_of_the_integer_caches_key_ranges():
     assert torch.equal(with_pads.scale, alone.scale) and torch.equal(with_pads.zero, alone.zero)
     assert torch.equal(with_pads.data[..., 3:, :], alone.data)
     assert not torch.equal(layer._quantize(padded, axis=-2).scale, alone.scale)    # without pads: ranges move
+
+
+def test_token_choice_applies_the_repetition_penalty_as_llama_cpp_does():
+    """Greedy with a penalty: a logit above 0 of a recent id is divided by the penalty, one at or below 0
+    multiplied; each id once however often it recurs; the window is the reply's last N ids, or the prompt's and
+    the reply's; plain greedy (penalty 1, or no window) is the argmax, the first on a tie."""
+    from pipeline.runtimes.base import TokenChoice
+
+    logits = np.array([3.0, 2.9, -1.0, -1.05, 0.0], dtype=np.float32)
+    before = logits.copy()
+    assert TokenChoice().pick(logits, [0], [0]) == 0
+    assert TokenChoice(1.1, 0).pick(logits, [0], [0]) == 0
+    reply = TokenChoice(1.1, 4, "reply")
+    assert reply.pick(logits, [], [0, 0, 0]) == 1          # 3.0 / 1.1 < 2.9, once, not three times
+    assert reply.pick(logits, [0], [1]) == 0               # the prompt is outside the reply's window
+    assert reply.pick(logits, [], [0, 1, 4, 4, 4, 4]) == 0  # 0 and 1 slid out of the last 4
+    three = np.array([3.0, 2.9, 2.8], dtype=np.float32)
+    assert reply.pick(three, [0], [1]) == 0
+    context = TokenChoice(1.1, 4, "context")
+    assert context.pick(three, [0], [1]) == 2              # 0 and 1 penalised (2.727, 2.636): 2.8 wins
+    assert context.window([5, 6, 7, 8], [1]) == [6, 7, 8, 1]
+    # a negative logit is multiplied: -1.0 * 1.1 = -1.1 falls below -1.05
+    neg = np.array([-1.0, -1.05], dtype=np.float32)
+    assert TokenChoice(1.1, 4).pick(neg, [], [0]) == 1
+    np.testing.assert_array_equal(logits, before)       # the runtime's row is never modified
+    assert TokenChoice(1.1, 4).key() and TokenChoice().key() == {}
+
+
+def test_a_repetition_penalty_steers_every_runtime_the_same_way(built):
+    """runtime.repeat_penalty: each runtime's reply, single and batched, is the penalised argmax of its own
+    teacher-forced logits at every step (the same arithmetic on transformers and llama.cpp), and it changes
+    replies that plain greedy decoding repeats itself in."""
+    import dataclasses
+
+    from pipeline.runtimes.base import TokenChoice
+
+    cfg, original, arts = built
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
+    base = tok(TEXT, add_special_tokens=False)["input_ids"]
+    prompts = [base[i:i + 16 + 5 * i] for i in range(3)]
+    choice = TokenChoice(1.5, 8, "reply")
+    plain_cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, repeat_penalty=1.0))
+    penalised = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, repeat_penalty=1.5,
+                                                                     repeat_last_n=8, repeat_scope="reply"))
+    changed = 0
+    for variant, path in ((VariantConfig(name="original"), original.checkpoint),
+                          (VariantConfig(name="f16", runtime="llamacpp"), arts["F16"].path)):
+        plain = load_runtime(variant, path, plain_cfg, n_ctx=256)
+        assert plain.choice.greedy
+        greedy = [plain.generate(p, 16, []).ids for p in prompts]
+        plain.close()
+        rt = load_runtime(variant, path, penalised, n_ctx=256)
+        assert rt.choice == choice
+        single = []
+        for p in prompts:
+            rt.reset()
+            single.append(rt.generate(p, 16, []).ids)
+        for p, ids in zip(prompts, single):
+            logits = rt.logits(p + ids, list(range(len(p) - 1, len(p) + len(ids) - 1)))
+            assert [choice.pick(logits[k], p, ids[:k]) for k in range(len(ids))] == ids
+        many = rt.generate_many([(i, p, 16) for i, p in enumerate(prompts)], [], slots=3)
+        assert [g.ids for g in many] == single
+        changed += sum(a != b for a, b in zip(greedy, single))
+        rt.close()
+    assert changed > 0, "the penalty never changed a reply: the test's prompts do not exercise it"

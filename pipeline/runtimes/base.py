@@ -2,7 +2,8 @@
 
 A runtime loads one artifact (plus KV-cache and runtime settings) and must offer:
 
-- ``generate(prompt_ids, max_new_tokens, stop_ids) -> Generation``: greedy decoding (through ``greedy_decode``),
+- ``generate(prompt_ids, max_new_tokens, stop_ids) -> Generation``: greedy decoding (through ``greedy_decode``,
+  each token picked by ``self.choice``, a ``TokenChoice``: the argmax, with the run's repetition penalty if any),
   reusing the cache of a previous call whose tokens the new prompt extends (multi-turn); ``reset()`` first for a
   cold prefill. Deterministic: the same call gives the same ids.
 - ``score(ids, positions, candidates) -> Scores``: teacher-forced, from one pass over ``ids``: the log-probs of
@@ -61,6 +62,60 @@ class Generation:
     prefill_tokens: int           # tokens actually evaluated before the first reply token (prefix reuse skips some)
     ttft_s: float                 # prefill + the first token
     decode_times_s: list[float] = field(default_factory=list)   # one per reply token after the first
+
+
+@dataclass(frozen=True)
+class TokenChoice:
+    """How every runtime picks the next token from its logits: greedy (the argmax, the first on a tie), optionally
+    with a repetition penalty as llama.cpp's sampler and transformers apply it (a logit above 0 divided by
+    ``repeat_penalty``, one at or below 0 multiplied by it) on each distinct id among the last ``repeat_last_n``
+    tokens of the reply so far (``scope="reply"``) or of the prompt and the reply (``scope="context"``, llama.cpp's
+    and transformers' window). Deterministic, and the same arithmetic on every runtime: the penalty is applied here,
+    on the float32 logits, never by an engine's own sampler."""
+
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    scope: str = "reply"            # reply | context (runtime.repeat_scope, validated with the config)
+
+    @classmethod
+    def from_config(cls, rcfg: "RuntimeConfig | None") -> "TokenChoice":
+        if rcfg is None:
+            return cls()
+        return cls(rcfg.repeat_penalty, rcfg.repeat_last_n, rcfg.repeat_scope)
+
+    @property
+    def greedy(self) -> bool:
+        """Plain argmax: no penalty, or an empty window."""
+        return self.repeat_penalty == 1.0 or self.repeat_last_n == 0
+
+    def key(self) -> dict:
+        """What stage keys record (nothing for plain greedy, so its stored stages stay valid)."""
+        return {} if self.greedy else {"repeat_penalty": self.repeat_penalty, "repeat_last_n": self.repeat_last_n,
+                                       "repeat_scope": self.scope}
+
+    def window(self, prompt: Sequence[int], reply: Sequence[int]) -> list[int]:
+        if self.greedy:
+            return []
+        if self.scope == "reply" or len(reply) >= self.repeat_last_n:
+            return list(reply[-self.repeat_last_n:])
+        return list(prompt[len(prompt) - (self.repeat_last_n - len(reply)):]) + list(reply)
+
+    def pick(self, logits: np.ndarray, prompt: Sequence[int], reply: Sequence[int]) -> int:
+        """The next id from one row of logits (float32, vocabulary long; not modified)."""
+        recent = self.window(prompt, reply)
+        if not recent:
+            return int(np.argmax(logits))
+        row = np.array(logits, dtype=np.float32, copy=True)
+        ids = np.unique(np.asarray(recent, dtype=np.int64))
+        vals = row[ids]
+        row[ids] = np.where(vals > 0, vals / np.float32(self.repeat_penalty), vals * np.float32(self.repeat_penalty))
+        return int(np.argmax(row))
+
+
+def decoding_key(rcfg: "RuntimeConfig") -> dict:
+    """What a stage key records of how replies are decoded: nothing for plain greedy (stored stages stay valid)."""
+    key = TokenChoice.from_config(rcfg).key()
+    return {"decoding": key} if key else {}
 
 
 def greedy_decode(prefill: Callable[[], int], step: Callable[[int], int], max_new_tokens: int,
@@ -127,6 +182,8 @@ class Runtime(abc.ABC):
     # True when the runtime has a tokenizer of its own that a server built on it applies to chat text (llama.cpp's
     # GGUF vocabulary); then ``tokenize_served``/``detokenize_served`` exist and the deployment path is measured.
     own_tokenizer: bool = False
+    # how the next token is picked (``TokenChoice``): runtimes set it from ``runtime.repeat_*`` when they load
+    choice: TokenChoice = TokenChoice()
 
     # ------------------------------------------------------------------ options (class level, no model loaded)
     @classmethod

@@ -14,7 +14,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from pipeline.errors import ConfigError, Skip
-from pipeline.runtimes.base import FullLogitsRuntime, Generation, greedy_decode, greedy_decode_many
+from pipeline.runtimes.base import FullLogitsRuntime, Generation, TokenChoice, greedy_decode, greedy_decode_many
 
 if TYPE_CHECKING:
     from pipeline.config import RuntimeConfig
@@ -119,6 +119,7 @@ class HFRuntime(FullLogitsRuntime):
         ).to(self.device).eval()
         self._cache = None
         self._cache_ids: list[int] = []
+        self.choice = TokenChoice.from_config(rcfg)
         self.kv = options.get("kv_cache")     # {"bits", "residual_length", "score_chunk"} or None
         if self.kv:
             kinds = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
@@ -206,18 +207,30 @@ class HFRuntime(FullLogitsRuntime):
             self._cache = self._new_cache()
         cache = self._cache
 
+        reply: list[int] = []          # the reply tokens fed back so far (the penalty's window)
+
         def forward(input_ids: list[list[int]]) -> int:
             out = self.model(input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device), cache=cache,
                              use_cache=True, logits_to_keep=1)
-            token = int(out.logits[0, -1].argmax())
+            token = self._pick(out.logits[0, -1], prompt, reply)
             self._sync()
             return token
 
-        ids, stop, ttft, times = greedy_decode(lambda: forward([prompt[reuse:]]), lambda t: forward([[t]]),
-                                               max_new_tokens, stop_ids)
+        def step(t: int) -> int:
+            reply.append(t)
+            return forward([[t]])
+
+        ids, stop, ttft, times = greedy_decode(lambda: forward([prompt[reuse:]]), step, max_new_tokens, stop_ids)
         self._cache_ids = prompt + ids[: len(times)]
         return Generation(ids=ids, stop=stop, prompt_tokens=len(prompt), prefill_tokens=len(prompt) - reuse,
                           ttft_s=ttft, decode_times_s=times)
+
+    def _pick(self, logits, prompt: Sequence[int], reply: Sequence[int]) -> int:
+        """The next id from one row of logits (a tensor) by ``self.choice``: torch's argmax for plain greedy (the
+        first maximum, as numpy's), else the shared penalty arithmetic on the float32 row."""
+        if self.choice.greedy:
+            return int(logits.argmax())
+        return self.choice.pick(logits.float().cpu().numpy(), prompt, reply)
 
     # Several sequences decode together in one left-padded batch (the integer cache keeps padding out of its
     # per-channel key ranges: kv_quant.IntKVLayer.pads).
@@ -249,7 +262,7 @@ class HFRuntime(FullLogitsRuntime):
         t0 = time.perf_counter()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                          logits_to_keep=1)
-        first = out.logits[:, -1].argmax(-1).tolist()
+        first = [self._pick(out.logits[i, -1], prompts[i], []) for i in range(n)]
         self._sync()
         ttft = time.perf_counter() - t0
         batch = {"rows": list(range(n)), "mask": mask, "last": pos[:, -1]}   # request index of each batch row
@@ -264,7 +277,7 @@ class HFRuntime(FullLogitsRuntime):
             feed = torch.tensor([[replies[i][-1]] for i in live], dtype=torch.long, device=dev)
             out = self.model(input_ids=feed, attention_mask=m, position_ids=last[:, None], cache=cache,
                              use_cache=True, logits_to_keep=1)
-            nxt = out.logits[:, -1].argmax(-1).tolist()
+            nxt = [self._pick(out.logits[j, -1], prompts[i], replies[i]) for j, i in enumerate(live)]
             self._sync()
             return nxt
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.errors import ConfigError, Skip
 from pipeline.llamatools import load_llama_cpp
-from pipeline.runtimes.base import FullLogitsRuntime, Generation, greedy_decode, greedy_decode_many
+from pipeline.runtimes.base import FullLogitsRuntime, Generation, TokenChoice, greedy_decode, greedy_decode_many
 
 if TYPE_CHECKING:
     from pipeline.config import RuntimeConfig
@@ -94,7 +94,8 @@ class LlamaCppRuntime(FullLogitsRuntime):
 
     @classmethod
     def key_settings(cls, rcfg) -> dict:
-        return {"flash_attn": rcfg.flash_attn}
+        # kv_unified only when on, so the stages stored before the setting existed (one stream per sequence) stay
+        return {"flash_attn": rcfg.flash_attn, **({"kv_unified": True} if rcfg.kv_unified else {})}
 
     @classmethod
     def cache_element_bytes(cls, info: dict, head_dim: int) -> float:
@@ -149,6 +150,8 @@ class LlamaCppRuntime(FullLogitsRuntime):
         set_verbose(False)
         self.llm.verbose = False
         self.n_vocab = self.llm.n_vocab()
+        self.choice = TokenChoice.from_config(rcfg)
+        self.kv_unified = rcfg.kv_unified
         self.info = {
             "runtime": "llamacpp",
             "device": "cuda" if use_gpu else "cpu",
@@ -156,6 +159,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
             "n_ctx": self.n_ctx,
             "n_batch": rcfg.n_batch,
             "flash_attn": flash,
+            "kv_unified": rcfg.kv_unified,     # how generate_many lays out several sequences' cells
             "cache_type_k": options.get("cache_type_k", "f16"),
             "cache_type_v": options.get("cache_type_v", "f16"),
             "kernel": f"ggml-{'cuda' if use_gpu else 'cpu'}",
@@ -188,21 +192,26 @@ class LlamaCppRuntime(FullLogitsRuntime):
         reuse = _reusable(self.llm.input_ids[: self.llm.n_tokens].tolist(), prompt)
         self.llm.n_tokens = reuse             # eval() drops KV cells from here on
 
+        reply: list[int] = []          # the reply tokens fed back so far (the penalty's window)
+
         def feed(tokens: list[int]) -> int:
             self.llm.eval(tokens)
-            return int(np.argmax(self._last_logits()))
+            return self.choice.pick(self._last_logits(), prompt, reply)
 
-        ids, stop, ttft, times = greedy_decode(lambda: feed(prompt[reuse:]), lambda t: feed([t]), max_new_tokens,
-                                               stop_ids)
+        def step(t: int) -> int:
+            reply.append(t)
+            return feed([t])
+
+        ids, stop, ttft, times = greedy_decode(lambda: feed(prompt[reuse:]), step, max_new_tokens, stop_ids)
         return Generation(ids=ids, stop=stop, prompt_tokens=len(prompt), prefill_tokens=len(prompt) - reuse,
                           ttft_s=ttft, decode_times_s=times)
 
     batched = True
 
     def _slots_context(self, slots: int, per_seq_ctx: int):
-        """A second context over the same weights holding ``slots`` sequences, each with its own ``per_seq_ctx``
-        cells (llama.cpp's split KV streams, as llama-batched-bench and llama-server's parallel slots use by
-        default), and a batch able to carry one token per sequence or a prompt chunk. Kept while the shape fits."""
+        """A second context over the same weights holding ``slots`` sequences of up to ``per_seq_ctx`` cells each:
+        one KV buffer shared by all (``runtime.kv_unified``, llama-server's default layout) or one KV stream per
+        sequence; and a batch able to carry one token per sequence or a prompt chunk. Kept while the shape fits."""
         llama_cpp = load_llama_cpp()
         from llama_cpp import _internals
 
@@ -215,7 +224,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
         params = llama_cpp.llama_context_params.from_buffer_copy(self.llm.context_params)
         params.n_seq_max = slots
         params.n_ctx = slots * per_seq_ctx
-        params.kv_unified = False
+        params.kv_unified = self.kv_unified
         ctx = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
         n_tokens = max(int(params.n_batch), slots)
         batch = _internals.LlamaBatch(n_tokens=n_tokens, embd=0, n_seq_max=1, verbose=False)
@@ -269,9 +278,10 @@ class LlamaCppRuntime(FullLogitsRuntime):
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed ({rc}) with {len(entries)} tokens in the batch")
 
-        def argmax(row: int) -> int:
+        def pick(row: int, i: int, reply: Sequence[int]) -> int:
+            """The next id of request i from the batch's logits row ``row``."""
             ptr = llama_cpp.llama_get_logits_ith(ctx.ctx, row)
-            return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+            return self.choice.pick(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)), prompts[i], reply)
 
         t0 = time.perf_counter()
         first: list[int | None] = [None] * n
@@ -283,12 +293,12 @@ class LlamaCppRuntime(FullLogitsRuntime):
             run([(prompts[i][k], k, seq[i], k == len(prompts[i]) - 1) for i, k in part])
             for j, (i, k) in enumerate(part):
                 if k == len(prompts[i]) - 1:
-                    first[i] = argmax(j)
+                    first[i] = pick(j, i, [])
                     ttft[i] = time.perf_counter() - t0
 
         def step(live: list[int], ids: list[list[int]]) -> list[int]:
             run([(ids[i][-1], len(prompts[i]) + len(ids[i]) - 1, seq[i], True) for i in live])
-            return [argmax(j) for j in range(len(live))]
+            return [pick(j, i, ids[i]) for j, i in enumerate(live)]
 
         ids, stop, times = greedy_decode_many(first, step, budgets, stop_ids)
         out = []
