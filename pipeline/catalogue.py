@@ -106,6 +106,20 @@ def section_values(section: str, sources: dict[str, dict]) -> dict:
     return {m.name: sources[m.source].get(m.name) for m in METRICS if m.section == section}
 
 
+# How a run decoded its free-running replies (summary.run.decoding: the runtime.repeat_* settings)
+DECODING_KEYS = ("repeat_penalty", "repeat_last_n", "repeat_scope")
+
+
+def decoding_of(summary: dict) -> dict:
+    """A summary's decoding, normalised: plain greedy ({"repeat_penalty": 1.0}) for no penalty, an empty window or
+    a summary from before the setting existed; else its runtime.repeat_* values. Two runs decoded alike give equal
+    dicts (the nightly gate compares them; the report describes them)."""
+    d = (summary.get("run") or {}).get("decoding") or {}
+    if not d or d.get("repeat_penalty", 1.0) == 1.0 or d.get("repeat_last_n", 0) == 0:
+        return {"repeat_penalty": 1.0}
+    return {k: d.get(k) for k in DECODING_KEYS}
+
+
 def hardware_independent() -> tuple[str, ...]:
     return tuple(m.name for m in METRICS if m.hardware_independent)
 

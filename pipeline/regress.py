@@ -106,16 +106,8 @@ def environment_matches(new: dict, base: dict) -> tuple[bool, str]:
     return True, "same hardware and library versions"
 
 
-def decoding_of(summary: dict) -> dict:
-    """How a run decoded its free-running replies; a summary from before the setting (or penalty 1.0): greedy."""
-    d = (summary.get("run") or {}).get("decoding") or {}
-    if not d or d.get("repeat_penalty", 1.0) == 1.0 or d.get("repeat_last_n", 0) == 0:
-        return {"repeat_penalty": 1.0}
-    return {k: d.get(k) for k in ("repeat_penalty", "repeat_last_n", "repeat_scope")}
-
-
 def decoding_matches(new: dict, base: dict) -> tuple[bool, str]:
-    dn, db = decoding_of(new), decoding_of(base)
+    dn, db = catalogue.decoding_of(new), catalogue.decoding_of(base)
     if dn == db:
         return True, "same decoding"
     show = lambda d: ", ".join(f"{k} {v}" for k, v in d.items())   # noqa: E731
@@ -131,12 +123,11 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
     judged = [m.name for m in catalogue.METRICS if m.better]
     metrics = judged if (same_env or cfg_regress.compare_all) else [m for m in judged if
                                                                     catalogue.BY_NAME[m].hardware_independent]
-    reasons = {m: f"not compared: {env_note}" for m in judged if m not in metrics}
+    # why each left-out metric is left out: "environment" or "decoding" (the result's note of that name says how)
+    why = {m: "environment" for m in judged if m not in metrics}
     if not same_dec:
-        for m in metrics:
-            if catalogue.BY_NAME[m].source == "free":
-                reasons[m] = f"not compared: {dec_note}"
-        metrics = [m for m in metrics if catalogue.BY_NAME[m].source != "free"]
+        why.update({m: "decoding" for m in metrics if catalogue.BY_NAME[m].source == "free"})
+        metrics = [m for m in metrics if m not in why]
     cases = []
     for name, base_v in base["variants"].items():
         new_v = new["variants"].get(name)
@@ -156,7 +147,7 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
     skipped = [m for m in (cfg_regress.tolerances or {}) if m in judged and m not in metrics]
     return {"cases": cases, "regressions": sum(c["regressed"] for c in cases), "environment": env_note,
             "same_environment": same_env, "decoding": dec_note, "same_decoding": same_dec,
-            "skipped_metrics": skipped, "skip_reasons": {m: reasons[m] for m in skipped}}
+            "skipped_metrics": skipped, "skipped_because": {m: why[m] for m in skipped}}
 
 
 def junit_xml(result: dict, suite_name: str) -> str:
@@ -171,8 +162,7 @@ def junit_xml(result: dict, suite_name: str) -> str:
             ET.SubElement(tc, "system-out").text = c["message"]
     for m in result["skipped_metrics"]:
         tc = ET.SubElement(root, "testcase", classname="quantdrift.environment", name=m)
-        ET.SubElement(tc, "skipped", message=result.get("skip_reasons", {}).get(m, f"not compared: "
-                                                                                   f"{result['environment']}"))
+        ET.SubElement(tc, "skipped", message=f"not compared: {result[result['skipped_because'][m]]}")
     return ET.tostring(root, encoding="unicode", xml_declaration=True)
 
 
@@ -180,14 +170,13 @@ def diff_markdown(result: dict, new_path: Path, base_path: Path) -> str:
     lines = ["# quantdrift regression check", "",
              f"Run `{new_path}` against baseline `{base_path}`: **{result['regressions']} regression(s)**.", "",
              f"Environment: {result['environment']}."]
-    reasons = result.get("skip_reasons", {})
-    by_env = [m for m in result["skipped_metrics"] if m not in reasons or reasons[m].endswith(result["environment"])]
-    if by_env:
+    left_out = {kind: [m for m in result["skipped_metrics"] if result["skipped_because"][m] == kind]
+                for kind in ("environment", "decoding")}
+    if left_out["environment"]:
         lines.append("Compared on hardware-independent metrics only (drift and checks); not compared: "
-                     + ", ".join(by_env) + " (set regress.compare_all=true to compare them).")
-    if not result.get("same_decoding", True):
-        lines.append(f"Decoding: {result['decoding']}; not compared: "
-                     + ", ".join(m for m in result["skipped_metrics"] if m not in by_env)
+                     + ", ".join(left_out["environment"]) + " (set regress.compare_all=true to compare them).")
+    if not result["same_decoding"]:
+        lines.append(f"Decoding: {result['decoding']}; not compared: " + ", ".join(left_out["decoding"])
                      + " (promote a baseline decoded as this run is: `make promote`).")
     lines += ["", "| variant | metric | result | detail |", "|---|---|---|---|"]
     for c in sorted(result["cases"], key=lambda c: (not c["regressed"], c["variant"], c["metric"])):

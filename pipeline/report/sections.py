@@ -7,21 +7,22 @@ The report is a list of sections; each is (id, title, blocks) and a block is a p
 
 from __future__ import annotations
 
-from pipeline.catalogue import BY_NAME, Metric, value
+from pipeline.catalogue import BY_NAME, Metric, decoding_of, value
 
 # Units a label may already carry in short form: "decode tok/s" needs no " tokens/s".
 _UNIT_SHORT = {"tokens/s": "tok/s"}
 
 
-
-def decoding_line(d: dict | None) -> str:
+def decoding_line(summary: dict) -> str:
     """How the free-running replies were decoded (a summary from before the setting existed: plain greedy)."""
-    if not d or d["repeat_penalty"] == 1.0 or d["repeat_last_n"] == 0:
+    d = decoding_of(summary)
+    if d["repeat_penalty"] == 1.0:
         return "Free-running replies: greedy (argmax), the same on every runtime."
     window = "the reply's" if d["repeat_scope"] == "reply" else "the prompt's and the reply's"
     return (f"Free-running replies: greedy with a repetition penalty of {d['repeat_penalty']:g} on {window} last "
             f"{d['repeat_last_n']} tokens (`runtime.repeat_*`), applied to the logits the same way on every runtime; "
             "teacher-forced KLD and top-1 agreement use the raw logits.")
+
 
 def _fmt(x, spec: str, none: str = "–") -> str:
     return none if x is None else format(x, spec)
@@ -664,7 +665,7 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
     sections.append(("environment", "Environment", [
         f"{hw['cpu']}, {hw['cores']} cores; threads {summary['run']['threads']}, device {summary['run']['device']}. "
         + ", ".join(f"{k} {v}" for k, v in ver.items()) + ".",
-        decoding_line(summary["run"].get("decoding")),
+        decoding_line(summary),
         "Samples: `samples.jsonl` beside this file (one line per variant × conversation turn)."]))
     return sections
 

@@ -10,7 +10,7 @@ from pipeline.aggregate import SCHEMA_VERSION, capacity_plan, imatrix_effects, v
 from pipeline.calibration_sweep import load_sweep
 from pipeline.load import attach_load
 from pipeline.load import load_sweep as load_load
-from pipeline.catalogue import validate_summary
+from pipeline.catalogue import DECODING_KEYS, validate_summary
 from pipeline.config import Config
 from pipeline.decision import decide
 from pipeline.run import load_result
@@ -48,7 +48,7 @@ def build_summary(cfg: Config) -> dict:
         "created_unix": time.time(),
         "run": {"name": cfg.run.name, "profile": cfg.profile.name, "suites": cfg.run.suites,
                 "threads": cfg.runtime.n_threads, "device": cfg.runtime.device,
-                "decoding": {k: getattr(cfg.runtime, k) for k in ("repeat_penalty", "repeat_last_n", "repeat_scope")}},
+                "decoding": {k: getattr(cfg.runtime, k) for k in DECODING_KEYS}},
         "model": {"name": cfg.model.name, "source": cfg.model.source, "origin": origin,
                   **{k: v for k, v in facts.items() if k != "chat_template"}},
         "reference": {"runtime": (first.get("reference") or {}).get("producer"),
