@@ -351,8 +351,8 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
                      "quantize_peak_rss_mb": info_a.get("quantize_peak_rss_mb")},
         "paths": {
             "teacher_forced": f"{result['runtime']} ({info.get('kernel')})",
-            "speed_memory": f"{result['runtime']} ({info.get('kernel')}), {timing['trials']} interleaved trials, "
-                            "a fresh process each",
+            "speed_memory": f"{result['runtime']} ({info.get('kernel')}), {timing['trials']} interleaved trials "
+                            "in a probe process of its own",
             "free_running": result["evaluation"].get("free_running_source"),
             "dequantized_check": result["evaluation"].get("dequantized_check"),
         },

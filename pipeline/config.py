@@ -173,7 +173,7 @@ class SpeedConfig:
     warmup: int = 1
     # Other processes' share of CPU time above which a speed figure is flagged noisy and re-measured once.
     max_cpu_noise: float = 0.15
-    # Rounds of interleaved trials (every variant once per round, a fresh process per trial, the order rotated
+    # Rounds of interleaved trials (every variant once per round in its own probe process, the order rotated
     # each round). A paired sign-flip test needs 6 rounds to reach p < 0.05 at all.
     trials: int = 6
     # The A/A noise floor: the control variant (auto: the first evaluated variant of the run) measured a second

@@ -1,7 +1,8 @@
 """Speed and memory measured so that a difference can be trusted: interleaved trials across variants.
 
-After the sweep has evaluated every variant, each round measures every variant once, a fresh process per trial
-(``pipeline.probe``), in an order rotated by one place per round, so that drift of the machine over the run (a
+After the sweep has evaluated every variant, each round measures every variant once (``pipeline.probe``: each
+label's own process, loaded once for all rounds where memory allows, else a fresh one per trial), in an order
+rotated by one place per round, so that drift of the machine over the run (a
 neighbour's job, thermal state) spreads over all variants instead of landing on whichever ran last. The A/A
 control, the first variant measured a second time each round under another label half a round later, gives the
 run's own noise floor: the two must come out tied.
@@ -56,10 +57,57 @@ def _control(cfg: Config, names: list[str]) -> str | None:
     return sp.control
 
 
+# Resident memory of a loaded probe beyond its artifact's bytes (measured on the default's 135M model: transformers
+# variants 0.9-1.1 GB for a 0.5 GB checkpoint, llama.cpp ones 0.2-0.35 GB)
+_WORKER_OVERHEAD_MB = {"hf": 700.0}
+_WORKER_OVERHEAD_DEFAULT_MB = 120.0
+
+
+def _bytes_on_disk(path: str) -> int:
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else 0
+
+
+def keep_workers(cfg: Config, specs: dict[str, dict], labels: list[str]) -> tuple[bool, str]:
+    """Whether every label keeps one probe process for the whole stage (loaded once) or each trial starts a fresh
+    one. Kept on a CPU when all of them fit in half the available memory at once; on a GPU never, since
+    each probe's device-memory reading needs the device to hold that variant alone."""
+    from pipeline.roofline import resolve_device
+
+    if resolve_device(cfg.runtime.device) != "cpu":
+        return False, "a fresh probe process per trial (the device holds one variant at a time)"
+    need = 0.0
+    for label in labels:
+        spec = specs[label.removesuffix(AA_SUFFIX)]
+        need += 1.2 * _bytes_on_disk(spec["artifact"]) / 2**20 + _WORKER_OVERHEAD_MB.get(
+            spec["runtime"], _WORKER_OVERHEAD_DEFAULT_MB)
+    available = _mem_available_mb()
+    if available is not None and need > available / 2:
+        return False, (f"a fresh probe process per trial (keeping {len(labels)} loaded would take about "
+                       f"{need / 1024:.1f} GiB of the {available / 1024:.1f} GiB available)")
+    return True, f"one probe process per label, loaded once for all rounds (about {need / 1024:.1f} GiB together)"
+
+
+def _mem_available_mb() -> float | None:
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
     """Run (or resume) the interleaved trials of every evaluated variant; returns the trials file's content:
     {"rounds", "order", "control", "trials": {label: [trial result or {"error": ...}, one per round]}}."""
-    from pipeline.probe import run_trial
+    from pipeline.probe import ProbeWorker, run_trial
 
     specs = {n: r["probe"] for n, r in results.items() if r.get("status") == "ok" and r.get("probe")}
     if not specs:
@@ -75,22 +123,35 @@ def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
     def build(tmp):
         journal = Journal(out_dir, "trials", key)
         total = sum(len(labels) for labels in order)
+        keep, why = keep_workers(cfg, specs, order[0])
+        log.info("speed: %s", why)
+        workers: dict[str, ProbeWorker] = {}
         done = 0
-        for r, labels in enumerate(order):
-            for label in labels:
-                done += 1
-                item = f"{r}:{label}"
-                if item in journal:
-                    continue
-                log.info("speed: trial %d/%d (round %d/%d): %s", done, total, r + 1, len(order), label)
-                try:
-                    trial = run_trial(specs[label.removesuffix(AA_SUFFIX)], sp.max_cpu_noise, label)
-                except Exception as exc:  # a variant whose probe fails is reported without speed, the others go on
-                    log.error("speed trial of %s failed: %s", label, exc)
-                    trial = {"error": f"{type(exc).__name__}: {exc}"}
-                journal.add(item, trial)
+        try:
+            for r, labels in enumerate(order):
+                for label in labels:
+                    done += 1
+                    item = f"{r}:{label}"
+                    if item in journal:
+                        continue
+                    log.info("speed: trial %d/%d (round %d/%d): %s", done, total, r + 1, len(order), label)
+                    spec = specs[label.removesuffix(AA_SUFFIX)]
+                    try:
+                        if keep and label not in workers:
+                            workers[label] = ProbeWorker(spec, label)
+                        trial = run_trial(spec, sp.max_cpu_noise, label, workers.get(label))
+                    except Exception as exc:  # a variant whose probe fails is reported without speed, the others go on
+                        log.error("speed trial of %s failed: %s", label, exc)
+                        trial = {"error": f"{type(exc).__name__}: {exc}"}
+                        if label in workers:      # the next round starts it afresh
+                            workers.pop(label).close()
+                    journal.add(item, trial)
+        finally:
+            for worker in workers.values():
+                worker.close()
         labels = [label for label in order[0]]
         write_json(tmp / "trials.json", {"rounds": len(order), "order": order, "control": control,
+                                         "workers": "one per label for the stage" if keep else "one per trial",
                                          "trials": {lab: [journal.get(f"{r}:{lab}") for r in range(len(order))]
                                                     for lab in labels}})
         return {"rounds": len(order), "control": control}

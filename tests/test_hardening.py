@@ -142,6 +142,31 @@ def _drift(summary: dict) -> dict:
             for n, v in summary["variants"].items()}
 
 
+def _probe_workers_left(wait_s: float = 10.0) -> list[int]:
+    """Live speed-probe worker processes (``python -m pipeline.probe``), after giving the kernel's parent-death
+    signal a moment to arrive."""
+    import time
+
+    def live() -> list[int]:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+                state = (entry / "stat").read_text().split(")")[-1].split()[0]
+            except OSError:
+                continue
+            if b"pipeline.probe" in cmd and state != "Z":
+                pids.append(int(entry.name))
+        return pids
+
+    deadline = time.time() + wait_s
+    while (left := live()) and time.time() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, tiny_llama):
     """kill -9 at the F16 conversion, the reference (transcripts, exact rows), the evaluation (free-running,
     scoring), the speed trials and the report; each rerun
@@ -174,6 +199,7 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, ti
         proc.wait(timeout=900)
         # strict: a renamed log line must fail here, not turn the test into a plain run
         assert seen, f"the log line {marker!r} never appeared, so nothing was killed"
+        assert not _probe_workers_left(), "a speed probe worker outlived the killed run"
     for args in (sweep, report):
         r = subprocess.run(exe + args + common + paths(killed), capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

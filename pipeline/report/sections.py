@@ -350,8 +350,10 @@ def _power_section(ok: dict) -> tuple | None:
 def _speed_noise_block(summary: dict) -> list:
     noise = summary.get("speed_noise")
     proto = summary.get("speed_protocol") or {}
+    workers = ("each variant's own probe process, loaded once for all rounds"
+               if proto.get("workers") == "one per label for the stage" else "a fresh process per trial")
     out = [f"Speed: every variant measured in {proto.get('rounds') or '?'} interleaved rounds (each round measures "
-           "every variant once, a fresh process per trial, the order rotated by one place per round), each trial "
+           f"every variant once, {workers}, the order rotated by one place per round), each trial "
            f"{proto.get('warmup', 1)} warm-up then {proto.get('repeats', 1)} timed generation(s) of "
            f"{proto.get('decode_tokens')} tokens after a {proto.get('prompt_tokens')}-token prompt. Figures: the "
            "median over trials [95 % interval from order statistics]; prefill (TTFT, compute-bound) and decode "

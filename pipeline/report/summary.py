@@ -66,6 +66,7 @@ def build_summary(cfg: Config) -> dict:
                    for suite, p in (next((v.get("power") for v in variants.values() if v.get("power")), None)
                                     or {}).items()},
         "speed_protocol": {"rounds": (speed_run or {}).get("rounds"), "order": (speed_run or {}).get("order"),
+                           "workers": (speed_run or {}).get("workers", "one per trial"),
                            **{k: getattr(cfg.profile.speed, k) for k in ("prompt_tokens", "decode_tokens", "repeats",
                                                                          "warmup", "max_cpu_noise")}},
         "decision_config": cfg.decision.__dict__,

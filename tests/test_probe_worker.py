@@ -1,0 +1,89 @@
+"""The speed probe's worker process: loaded once, measured per request, stopped on every exit path."""
+
+import json
+import os
+import time
+from dataclasses import asdict
+
+import pytest
+
+from pipeline.config import RuntimeConfig
+from pipeline.probe import ProbeWorker, run_trial
+
+
+def _spec(artifact, runtime="hf", **options) -> dict:
+    return {"runtime": runtime, "artifact": str(artifact), "options": {"n_ctx": 256, **options},
+            "runtime_cfg": {**asdict(RuntimeConfig(device="cpu", threads=1)), "repeat_penalty": 1.0},
+            "trust_remote_code": False, "prompt_ids": list(range(100, 132)), "decode_tokens": 8, "repeats": 2,
+            "warmup": 1}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_worker_loads_once_and_measures_every_trial_it_is_asked_for(tiny_llama):
+    spec = _spec(tiny_llama)
+    with ProbeWorker(spec, "original") as worker:
+        pid = worker.proc.pid
+        first = run_trial(spec, 1.0, "original", worker)
+        second = run_trial(spec, 1.0, "original", worker)
+        assert worker.proc.pid == pid and _alive(pid)
+    for trial in (first, second):
+        assert trial["decode_tokens"] == 8 and trial["prompt_tokens"] == 32
+        assert trial["decode_tokens_per_s"] > 0 and trial["ttft_s"] > 0 and trial["peak_rss_mb"] > 0
+        assert 0.0 <= trial["cpu_noise"] <= 1.0 and trial["noisy"] is False
+    # loaded once: both trials carry the same load time, and their timings are their own
+    assert first["load_s"] == second["load_s"] > 0
+    assert json.dumps(first["runtime_info"]) == json.dumps(second["runtime_info"])
+    deadline = time.time() + 10
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "close() left the worker running"
+
+
+def test_without_a_worker_a_trial_runs_in_a_fresh_process_that_is_gone_after(tiny_llama):
+    before = {p for p in os.listdir("/proc") if p.isdigit()}
+    trial = run_trial(_spec(tiny_llama), 1.0, "original")
+    assert trial["decode_tokens_per_s"] > 0
+    time.sleep(0.2)
+    after = {p for p in os.listdir("/proc") if p.isdigit()} - before
+    assert not [p for p in after if _alive(int(p)) and "pipeline.probe" in open(f"/proc/{p}/cmdline").read()]
+
+
+def test_a_worker_that_cannot_load_its_variant_fails_with_the_reason_and_exits(tmp_path):
+    missing = tmp_path / "nothing-here"
+    spec = _spec(missing)
+    worker = ProbeWorker(spec, "broken")
+    try:
+        with pytest.raises(RuntimeError, match="speed probe failed"):
+            run_trial(spec, 1.0, "broken", worker)
+        assert worker.proc.wait(timeout=30) is not None
+    finally:
+        worker.close()
+
+
+def test_the_speed_stage_keeps_one_loaded_worker_per_label_across_rounds(tiny_cfg, tiny_llama, monkeypatch):
+    from pipeline import speed
+
+    cfg = tiny_cfg("profile.speed.trials=3")
+    results = {"original": {"status": "ok", "probe": _spec(tiny_llama)},
+               "other": {"status": "ok", "probe": _spec(tiny_llama, n_batch=64)}}
+    run = speed.measure_speed(cfg, results)
+    assert run["workers"] == "one per label for the stage"
+    for label in ("original", "other", "original" + speed.AA_SUFFIX):
+        loads = {t["load_s"] for t in run["trials"][label]}
+        assert len(loads) == 1, f"{label} was loaded more than once: {loads}"
+    # the A/A copy is a process of its own (its own load), so the noise floor includes a load's luck
+    assert run["trials"]["original"][0]["load_s"] != run["trials"]["original" + speed.AA_SUFFIX][0]["load_s"]
+
+    # without room for all of them at once, each trial gets a fresh process
+    monkeypatch.setattr(speed, "_mem_available_mb", lambda: 10.0)
+    run = speed.measure_speed(tiny_cfg("profile.speed.trials=2", "force=true"), results)
+    assert run["workers"] == "one per trial"
+    assert len({t["load_s"] for t in run["trials"]["original"]}) == 2
