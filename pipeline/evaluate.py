@@ -78,6 +78,9 @@ def compare_free_running(ref_tr: dict, var_tr: dict) -> list[dict]:
     return rows
 
 
+# Artifact formats whose weights ``pipeline.quantizers.dequant`` writes out exactly as a dense checkpoint (the
+# stand-in for free-running): GPTQModel's GPTQ and AWQ, llm-compressor's compressed-tensors.
+DEQUANTIZABLE = ("gptq", "awq", "compressed-tensors")
 PROXY_MAX_KLD_GAP = 0.05       # relative gap of mean KLD, kernel vs dequantized stand-in
 PROXY_MIN_TOP1_AGREEMENT = 0.90
 PROXY_SAMPLE_TOKENS = 512
@@ -234,7 +237,7 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
             gen_rt, fr_note = rt, None
             # The stand-in runs on llama.cpp, whose cache is not the hf int8 cache: a KV variant uses the kernel.
             if variant.runtime_options.get("free_running") == "dequantized" \
-                    and artifact.info.get("format") in ("gptq", "awq") and "kv_cache" not in variant.runtime_options:
+                    and artifact.info.get("format") in DEQUANTIZABLE and "kv_cache" not in variant.runtime_options:
                 gen_rt, fr_note = _choose_generator(cfg, rt, artifact, refs, original, need)
             try:
                 for s in need_fr:

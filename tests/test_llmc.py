@@ -108,6 +108,10 @@ def test_an_llm_compressor_artifact_loads_scores_and_reports_its_producer_in_the
     assert 0 < v["drift"]["kld_mean"] < 1.0 and v["artifact"]["bits_per_weight"] < 16
     assert "llm-compressor 0.14.0.1" in (report.results_dir / "report.md").read_text()
     assert "dequantized at load from compressed-tensors pack-quantized" in v["kernel"]
+    # free-running asked for the dequantized stand-in (the variant's free_running: dequantized), and the check
+    # of the stand-in against the kernel ran, whichever way it decided
+    check = v["paths"]["dequantized_check"]
+    assert check and "kld_gap" in check and "top1_agreement" in check, check
     # the checkpoint is compressed-tensors, loads with plain transformers (dequantized at load, as the runtime does:
     # transformers cannot hold packed asymmetric zero points compressed), and the dequantized stand-in is exact
     folder = Path(v["artifact"]["path"])

@@ -525,3 +525,20 @@ def test_levels_and_depths_read_back_from_load_json_print_in_numeric_order(tmp_p
     assert rows == ["1", "2", "4", "16"] * 2
     text = format_load(back)
     assert text.index("context 512") < text.index("context 4096")
+
+
+def test_a_run_that_only_swept_load_still_gets_both_load_plots(tmp_path):
+    """`make load` reports a run in which no variant was evaluated: the load plots must not hang on the
+    evaluation's plots (they did: make_plots returned before them when no variant had drift figures)."""
+    from pipeline.report.plots import make_plots
+
+    levels = {str(c): {"output_tokens_per_s": 10.0 * c ** 0.5, "itl_p99_s": 0.01 * c} for c in (1, 2, 4)}
+    sweep = {"depths": [512], "workload": {"max_itl_p99_s": 0.1},
+             "variants": {"gguf_q8_0": {"status": "ok", "depths": {"512": {"levels": levels}}, "knee_reached": True,
+                                        "knee_concurrency": 2, "slo_depth": 512},
+                          "original": {"status": "skipped", "reason": "no serving engine for hf on cpu"}}}
+    summary = {"model": {"name": "m"}, "run": {"name": "load"}, "load": sweep,
+               "variants": {"gguf_q8_0": {"status": "skipped"}, "original": {"status": "skipped"}}}
+    plots = make_plots(summary, tmp_path)
+    assert set(plots) == {"load_throughput", "load_itl"}
+    assert all((tmp_path / f).stat().st_size > 1000 for f in plots.values())

@@ -232,9 +232,11 @@ def make_plots(summary: dict, out_dir: Path, history: list[dict] | None = None) 
 
     ok = {n: v for n, v in summary["variants"].items() if v["status"] == "ok"}
     plots: dict[str, str] = {}
+    colors = variant_colors(summary, history)
+    if summary.get("load"):         # a load sweep has its plots also in a run that evaluated nothing (make load)
+        plots.update(_load_plots(plt, summary["load"], out_dir, colors))
     if not ok:
         return plots
-    colors = variant_colors(summary, history)
     _pareto_plot(plt, summary, ok, out_dir, colors)
     plots["pareto"] = "pareto.png"
     if _bits_plot(plt, summary, ok, out_dir, colors):
@@ -262,8 +264,6 @@ def make_plots(summary: dict, out_dir: Path, history: list[dict] | None = None) 
     if recall:
         _recall_plot(plt, recall, out_dir, colors)
         plots["recall_by_depth"] = "recall_by_depth.png"
-    if summary.get("load"):
-        plots.update(_load_plots(plt, summary["load"], out_dir, colors))
     return plots
 
 
