@@ -9,26 +9,16 @@ import logging
 import time
 
 from pipeline.config import Config, variant_of
-from pipeline.store import load_manifest, write_json
+from pipeline.store import write_json
 
 log = logging.getLogger(__name__)
 
 
 def _stage_walls(cfg: Config, name: str) -> dict:
-    md = cfg.model_dir
-    dirs = {
-        "prepare": md / "original",
-        "convert_f16": md / "gguf-f16",
-        "quantize": md / "variants" / name.split("+", 1)[0],
-        "parity": md / "parity",
-        "evaluate": md / "runs" / cfg.run.name / name,
-    }
-    for suite in cfg.run.suites:
-        dirs[f"reference_{suite}"] = md / "reference" / cfg.run.name / suite
-    out = {}
-    for stage, d in dirs.items():
-        m = load_manifest(d)
-        out[stage] = m.get("wall_s") if m else None
+    from pipeline.stagetimes import reference_stages, variant_stages
+
+    out = variant_stages(cfg, name)
+    out.update({f"reference_{suite}": w for suite, w in reference_stages(cfg).items()})
     return out
 
 
@@ -307,7 +297,7 @@ def _batched(cfg: Config, original, renderer, suites: dict) -> dict:
 
 def format_bench(out: dict) -> str:
     head = (f"{'variant':<22}{'decode tok/s':>13}{'prefill tok/s':>14}{'score tok/s':>12}{'noise':>7}  "
-            "stage wall s (prepare/convert/quantize/parity/reference/evaluate)")
+            "stage wall s (prepare/convert/quantize/parity/reference/free-running/scoring)")
     lines = [f"quantdrift bench: {out['model']} ({out['run']}), {out['threads']} threads", head]
     for name, r in out["variants"].items():
         if r["status"] != "ok":
@@ -316,7 +306,8 @@ def format_bench(out: dict) -> str:
         w = r["stage_wall_s"]
         ref = sum(v for k, v in w.items() if k.startswith("reference_") and v)
         fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
-        stages = "/".join(fmt(x) for x in (w["prepare"], w["convert_f16"], w["quantize"], w["parity"], ref, w["evaluate"]))
+        stages = "/".join(fmt(x) for x in (w["prepare"], w["convert_f16"], w["quantize"], w["parity"], ref,
+                                           w["free_running"], w["scoring"]))
         noise = "-" if r["cpu_noise"] is None else f"{r['cpu_noise']:.0%}"
         lines.append(f"{name:<22}{r['decode_tokens_per_s']:>13.1f}{r['prefill_tokens_per_s']:>14.0f}"
                      f"{r['scoring_tokens_per_s']:>12.0f}{noise:>7}  {stages}")

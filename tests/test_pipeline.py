@@ -55,6 +55,14 @@ def test_tiny_model_end_to_end_and_second_run_recomputes_nothing(tiny_cfg, tmp_p
     assert summary["reference"]["parity"]["ok"]
     for name in ("report.md", "report.html", "samples.jsonl", "pareto.png"):
         assert (cfg.results_dir / name).is_file()
+    # what the results cost, stage by stage, from the stages' manifests, and the report's table of it
+    t = summary["stage_times"]
+    assert set(t["references_s"]) == {"smoke"} and t["references_s"]["smoke"] > 0
+    assert t["variants_s"]["gguf_q8_0"]["free_running"] > 0 and t["variants_s"]["gguf_q8_0"]["scoring"] > 0
+    assert t["variants_s"]["original"]["scoring"] > 0 and t["run_s"]["speed"] > 0
+    assert t["total_s"] == pytest.approx(sum(t["references_s"].values()) + sum(t["run_s"].values())
+                                         + sum(sum(r.values()) for r in t["variants_s"].values()))
+    assert "## Run time" in (cfg.results_dir / "report.md").read_text()
     # the evaluation is keyed by the summary schema, so one cached under another contract is recomputed
     evaluation = json.loads((tmp_path / "artifacts" / "tiny" / "runs" / "smoke" / "gguf_q8_0" / "manifest.json").read_text())
     assert evaluation["key"]["schema_version"] == SCHEMA_VERSION

@@ -347,6 +347,25 @@ def _power_section(ok: dict) -> tuple | None:
         "pass-rate differences (the decision uses it: `decision.max_pass_drop_p`)."])
 
 
+def _run_time_section(summary: dict):
+    """Minutes per stage of the run (each stage's own build time: a stage reused from an earlier run counts
+    that build; quantizing, once per model, is in the artifacts table)."""
+    t = summary.get("stage_times")
+    if not t or not t.get("total_s"):
+        return None
+    m = lambda s: "-" if s is None else f"{s / 60:.1f}"  # noqa: E731
+    rows = [[f"references: {suite}", m(w), "", ""] for suite, w in t["references_s"].items()]
+    rows += [[f"`{n}`", m(r.get("free_running")), m(r.get("scoring")), m(r.get("deployment"))]
+             for n, r in t["variants_s"].items()]
+    rows += [[f"{k} stage (all variants)", m(w), "", ""] for k, w in t["run_s"].items()]
+    rows.append(["**total**", f"**{m(t['total_s'])}**", "", ""])
+    return ("run-time", "Run time", [
+        "Minutes per stage, each stage's own build time from its manifest (a stage reused from an earlier run counts "
+        "that build, so the total is what these results cost, not this invocation's wall time); quantizing, once "
+        "per model, is in the artifacts table.",
+        (["stage", "free-running (or the stage)", "teacher-forced scoring", "deployment path"], rows)])
+
+
 def _speed_noise_block(summary: dict) -> list:
     noise = summary.get("speed_noise")
     proto = summary.get("speed_protocol") or {}
@@ -658,7 +677,8 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
             target = (f"plot-{name}", name.replace("_", " "), [])
             sections.append(target)
         target[2].append({"plot": name, "file": plots[name]})
-    sections += [s for s in (_model_section(summary), _deployment_section(ok), _artifact_section(ok)) if s]
+    sections += [s for s in (_model_section(summary), _deployment_section(ok), _artifact_section(ok),
+                             _run_time_section(summary)) if s]
     skipped = {n: v for n, v in summary["variants"].items() if v["status"] != "ok"}
     if skipped:
         sections.append(("skipped", "Skipped or failed",

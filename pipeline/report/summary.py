@@ -14,6 +14,7 @@ from pipeline.catalogue import DECODING_KEYS, validate_summary
 from pipeline.config import Config
 from pipeline.decision import decide
 from pipeline.run import load_result
+from pipeline.stagetimes import run_stages
 from pipeline.store import hardware, library_versions
 
 
@@ -69,6 +70,8 @@ def build_summary(cfg: Config) -> dict:
                            "workers": (speed_run or {}).get("workers", "one per trial"),
                            **{k: getattr(cfg.profile.speed, k) for k in ("prompt_tokens", "decode_tokens", "repeats",
                                                                          "warmup", "max_cpu_noise")}},
+        # what the run's results cost, stage by stage (each stage's own build time, from its manifest)
+        "stage_times": run_stages(cfg, names),
         "decision_config": cfg.decision.__dict__,
         "capacity": cfg.capacity.__dict__,
         "bandwidth": bandwidth,

@@ -1,0 +1,57 @@
+"""How long each stage of a run took, read from the stages' own manifests (``wall_s``: the time a stage took when
+it was built; a stage this run reused from an earlier one counts that build, so the figures add up to what the
+run's results cost, not to this invocation's wall time)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.config import Config
+from pipeline.store import load_manifest
+
+
+def _wall(folder: Path) -> float | None:
+    m = load_manifest(folder)
+    return float(m["wall_s"]) if m and m.get("wall_s") is not None else None
+
+
+def variant_stages(cfg: Config, name: str) -> dict[str, float | None]:
+    """One variant's stages, in seconds (None: the stage has no manifest, e.g. it never ran for this variant)."""
+    md, run = cfg.model_dir, cfg.model_dir / "runs" / cfg.run.name
+    return {
+        "prepare": _wall(md / "original"),
+        "convert_f16": _wall(md / "gguf-f16"),
+        "quantize": _wall(md / "variants" / name.split("+", 1)[0]),
+        "parity": _wall(md / "parity"),
+        "free_running": _wall(run / name),
+        "scoring": _wall(run / f"{name}.scores"),
+        "deployment": _wall(run / f"{name}.served"),
+    }
+
+
+def reference_stages(cfg: Config) -> dict[str, float]:
+    """Per suite: the reference transcripts plus the original's exact rows, in seconds."""
+    base = cfg.model_dir / "reference" / cfg.run.name
+    out = {}
+    for suite in cfg.run.suites:
+        walls = [w for w in (_wall(base / suite), _wall(base / f"{suite}-exact_rows")) if w is not None]
+        if walls:
+            out[suite] = sum(walls)
+    return out
+
+
+def run_stages(cfg: Config, names: list[str]) -> dict:
+    """The run's stages in seconds: the references per suite, per variant its free-running, scoring and
+    deployment-path stages, the run-level speed and load stages, and their total (quantizing is left out: it is
+    once per model, not per run)."""
+    run = cfg.model_dir / "runs" / cfg.run.name
+    variants = {}
+    for name in names:
+        stages = variant_stages(cfg, name)
+        row = {k: stages[k] for k in ("free_running", "scoring", "deployment") if stages[k] is not None}
+        if row:
+            variants[name] = row
+    shared = {k: w for k, w in (("speed", _wall(run / "speed")), ("load", _wall(run / "load"))) if w is not None}
+    references = reference_stages(cfg)
+    total = sum(references.values()) + sum(sum(r.values()) for r in variants.values()) + sum(shared.values())
+    return {"references_s": references, "variants_s": variants, "run_s": shared, "total_s": total}
