@@ -19,7 +19,7 @@ import math
 
 from pipeline.config import Config
 from pipeline.stats import median_interval, paired_ratio
-from pipeline.store import Journal, read_json, run_stage, stable_hash, write_json
+from pipeline.store import Journal, dir_bytes, read_json, run_stage, stable_hash, write_json
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 TRIAL_FIGURES = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s", "peak_rss_mb",
                  "device_peak_mb")
 AA_SUFFIX = "#A/A"
+# how the trials were run (trials.json and summary.speed_protocol "workers")
+WORKERS_KEPT = "one per label for the stage"
+WORKERS_FRESH = "one per trial"
 
 
 def trial_order(names: list[str], control: str | None, rounds: int) -> list[list[str]]:
@@ -63,15 +66,6 @@ _WORKER_OVERHEAD_MB = {"hf": 700.0}
 _WORKER_OVERHEAD_DEFAULT_MB = 120.0
 
 
-def _bytes_on_disk(path: str) -> int:
-    from pathlib import Path
-
-    p = Path(path)
-    if p.is_file():
-        return p.stat().st_size
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else 0
-
-
 def keep_workers(cfg: Config, specs: dict[str, dict], labels: list[str]) -> tuple[bool, str]:
     """Whether every label keeps one probe process for the whole stage (loaded once) or each trial starts a fresh
     one. Kept on a CPU when all of them fit in half the available memory at once; on a GPU never, since
@@ -83,25 +77,19 @@ def keep_workers(cfg: Config, specs: dict[str, dict], labels: list[str]) -> tupl
     need = 0.0
     for label in labels:
         spec = specs[label.removesuffix(AA_SUFFIX)]
-        need += 1.2 * _bytes_on_disk(spec["artifact"]) / 2**20 + _WORKER_OVERHEAD_MB.get(
+        need += 1.2 * dir_bytes(spec["artifact"]) / 2**20 + _WORKER_OVERHEAD_MB.get(
             spec["runtime"], _WORKER_OVERHEAD_DEFAULT_MB)
     available = _mem_available_mb()
-    if available is not None and need > available / 2:
+    if need > available / 2:
         return False, (f"a fresh probe process per trial (keeping {len(labels)} loaded would take about "
                        f"{need / 1024:.1f} GiB of the {available / 1024:.1f} GiB available)")
     return True, f"one probe process per label, loaded once for all rounds (about {need / 1024:.1f} GiB together)"
 
 
-def _mem_available_mb() -> float | None:
-    from pathlib import Path
+def _mem_available_mb() -> float:
+    import psutil
 
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+    return psutil.virtual_memory().available / 2**20
 
 
 def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
@@ -151,7 +139,7 @@ def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
                 worker.close()
         labels = [label for label in order[0]]
         write_json(tmp / "trials.json", {"rounds": len(order), "order": order, "control": control,
-                                         "workers": "one per label for the stage" if keep else "one per trial",
+                                         "workers": WORKERS_KEPT if keep else WORKERS_FRESH,
                                          "trials": {lab: [journal.get(f"{r}:{lab}") for r in range(len(order))]
                                                     for lab in labels}})
         return {"rounds": len(order), "control": control}

@@ -15,17 +15,22 @@ def _wall(folder: Path) -> float | None:
     return float(m["wall_s"]) if m and m.get("wall_s") is not None else None
 
 
+def evaluation_stages(cfg: Config, name: str) -> dict[str, float | None]:
+    """One variant's stages of this run, in seconds (None: the stage has no manifest, e.g. never ran for it)."""
+    run = cfg.model_dir / "runs" / cfg.run.name
+    return {"free_running": _wall(run / name), "scoring": _wall(run / f"{name}.scores"),
+            "deployment": _wall(run / f"{name}.served")}
+
+
 def variant_stages(cfg: Config, name: str) -> dict[str, float | None]:
-    """One variant's stages, in seconds (None: the stage has no manifest, e.g. it never ran for this variant)."""
-    md, run = cfg.model_dir, cfg.model_dir / "runs" / cfg.run.name
+    """Every stage one variant's result rests on: the model-level ones (shared by every run) and this run's."""
+    md = cfg.model_dir
     return {
         "prepare": _wall(md / "original"),
         "convert_f16": _wall(md / "gguf-f16"),
         "quantize": _wall(md / "variants" / name.split("+", 1)[0]),
         "parity": _wall(md / "parity"),
-        "free_running": _wall(run / name),
-        "scoring": _wall(run / f"{name}.scores"),
-        "deployment": _wall(run / f"{name}.served"),
+        **evaluation_stages(cfg, name),
     }
 
 
@@ -47,8 +52,7 @@ def run_stages(cfg: Config, names: list[str]) -> dict:
     run = cfg.model_dir / "runs" / cfg.run.name
     variants = {}
     for name in names:
-        stages = variant_stages(cfg, name)
-        row = {k: stages[k] for k in ("free_running", "scoring", "deployment") if stages[k] is not None}
+        row = {k: w for k, w in evaluation_stages(cfg, name).items() if w is not None}
         if row:
             variants[name] = row
     shared = {k: w for k, w in (("speed", _wall(run / "speed")), ("load", _wall(run / "load"))) if w is not None}

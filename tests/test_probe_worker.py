@@ -75,7 +75,7 @@ def test_the_speed_stage_keeps_one_loaded_worker_per_label_across_rounds(tiny_cf
     results = {"original": {"status": "ok", "probe": _spec(tiny_llama)},
                "other": {"status": "ok", "probe": _spec(tiny_llama, n_batch=64)}}
     run = speed.measure_speed(cfg, results)
-    assert run["workers"] == "one per label for the stage"
+    assert run["workers"] == speed.WORKERS_KEPT == "one per label for the stage"
     for label in ("original", "other", "original" + speed.AA_SUFFIX):
         loads = {t["load_s"] for t in run["trials"][label]}
         assert len(loads) == 1, f"{label} was loaded more than once: {loads}"
@@ -85,5 +85,5 @@ def test_the_speed_stage_keeps_one_loaded_worker_per_label_across_rounds(tiny_cf
     # without room for all of them at once, each trial gets a fresh process
     monkeypatch.setattr(speed, "_mem_available_mb", lambda: 10.0)
     run = speed.measure_speed(tiny_cfg("profile.speed.trials=2", "force=true"), results)
-    assert run["workers"] == "one per trial"
+    assert run["workers"] == speed.WORKERS_FRESH == "one per trial"
     assert len({t["load_s"] for t in run["trials"]["original"]}) == 2

@@ -369,8 +369,10 @@ def _run_time_section(summary: dict):
 def _speed_noise_block(summary: dict) -> list:
     noise = summary.get("speed_noise")
     proto = summary.get("speed_protocol") or {}
+    from pipeline.speed import WORKERS_KEPT
+
     workers = ("each variant's own probe process, loaded once for all rounds"
-               if proto.get("workers") == "one per label for the stage" else "a fresh process per trial")
+               if proto.get("workers") == WORKERS_KEPT else "a fresh process per trial")
     out = [f"Speed: every variant measured in {proto.get('rounds') or '?'} interleaved rounds (each round measures "
            f"every variant once, {workers}, the order rotated by one place per round), each trial "
            f"{proto.get('warmup', 1)} warm-up then {proto.get('repeats', 1)} timed generation(s) of "

@@ -29,7 +29,7 @@ def build_summary(cfg: Config) -> dict:
     bandwidth = load_bandwidth(cfg)
     if bandwidth is None and any(r.get("status") == "ok" for r in results.values()):
         bandwidth = run_bandwidth(cfg, resolve_device(cfg.runtime.device))   # a run from before bandwidth existed
-    from pipeline.speed import measure_speed, noise_floor
+    from pipeline.speed import WORKERS_FRESH, measure_speed, noise_floor
 
     speed_run = measure_speed(cfg, results)
     trials = (speed_run or {}).get("trials") or {}
@@ -67,7 +67,7 @@ def build_summary(cfg: Config) -> dict:
                    for suite, p in (next((v.get("power") for v in variants.values() if v.get("power")), None)
                                     or {}).items()},
         "speed_protocol": {"rounds": (speed_run or {}).get("rounds"), "order": (speed_run or {}).get("order"),
-                           "workers": (speed_run or {}).get("workers", "one per trial"),
+                           "workers": (speed_run or {}).get("workers", WORKERS_FRESH),
                            **{k: getattr(cfg.profile.speed, k) for k in ("prompt_tokens", "decode_tokens", "repeats",
                                                                          "warmup", "max_cpu_noise")}},
         # what the run's results cost, stage by stage (each stage's own build time, from its manifest)
