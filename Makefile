@@ -144,9 +144,10 @@ IMATRIX_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
 LLMC_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
   grep -qs '^quantizer: *llmcompressor' conf/variant/$${v%%+*}.yaml && echo $$v; done)
 
-# The served-load sweep (pipeline/load.py): the llama.cpp variants on llama-server (make llama-tools) under guidellm's
-# concurrent load. `make compare` runs the short sweep (conf/load/short.yaml; full with PROFILE=full), `make load`
-# the full one (conf/load/full.yaml). LOAD_ARGS: e.g. "workload=batch" or "load.concurrency=[1,2,4,8]".
+# The served-load sweep (pipeline/load.py): the llama.cpp variants on llama-server (make llama-tools), the HF-format
+# ones on `transformers serve --continuous-batching`, under guidellm's concurrent load. `make compare` runs the short
+# sweep (conf/load/short.yaml: llama.cpp variants only; full with PROFILE=full), `make load` the full one
+# (conf/load/full.yaml, every runtime). LOAD_ARGS: e.g. "workload=batch" or "load.concurrency=[1,2,4,8]".
 ifeq ($(PROFILE),full)
   COMPARE_LOAD ?= full
 else

@@ -194,7 +194,7 @@ def _served_beside_batched_bench(cfg: Config, original, renderer, suites: dict, 
 
     from pipeline import load
     from pipeline.batched_bench import run_llama_batched_bench
-    from pipeline.engines.llama_server import engine_version
+    from pipeline.engines.llama_server import LlamaServer, engine_version
     from pipeline.errors import ConfigError, Skip
     from pipeline.llamatools import tool
 
@@ -214,14 +214,22 @@ def _served_beside_batched_bench(cfg: Config, original, renderer, suites: dict, 
     plans, rows = {}, {}
     for name in cfg.run.variants or [cfg.variant.name]:
         try:
-            plans[name] = load.plan_variant(cfg, name, original, [depth], budget_mb)
+            plan = load.plan_variant(cfg, name, original, [depth], budget_mb)
         except (Skip, ConfigError) as exc:
             rows[name] = {"status": "skipped", "reason": str(exc)}
+            continue
+        if plan["engine"] is not LlamaServer:
+            rows[name] = {"status": "skipped", "reason": f"served by {plan['engine'].name}: llama-batched-bench "
+                                                         "runs llama.cpp's GGUF files only"}
+            continue
+        plans[name] = plan
     if not plans:
         return {"status": "skipped", "reason": "no variant is served by llama-server",
                 "depth": depth, "variants": rows}
     version = engine_version(server_exe)
-    prompts = {depth: load.load_prompts(renderer, suites, depth, max(max(p["levels"]) for p in plans.values()) * 2)}
+    for plan in plans.values():
+        plan["version"] = version
+    prompts = {depth: load.load_prompts(renderer, suites, depth, load.trial_prompts(plans, lc))}
     logs = cfg.model_dir / "runs" / cfg.run.name / "bench-logs"
     rounds: dict[str, list] = {name: [] for name in plans}
     order = list(plans)
@@ -232,10 +240,9 @@ def _served_beside_batched_bench(cfg: Config, original, renderer, suites: dict, 
             log.info("bench: round %d/%d: %s served at %s, then llama-batched-bench", r + 1, cfg.bench.rounds,
                      name, plan["levels"])
             try:
-                trial = load.serve_trial(plan, server_exe, version, [depth], prompts, lc, gpu, generate,
-                                         logs / f"{name}.r{r}.log")
+                trial = load.serve_trial(plan, [depth], prompts, lc, gpu, generate, logs / f"{name}.r{r}.log")
                 served = {int(x["concurrency"]): x for x in trial["depths"][str(depth)]}
-                tool_rows = run_llama_batched_bench(exe, plan["gguf"], st["threads"], st["n_batch"], st["flash_attn"],
+                tool_rows = run_llama_batched_bench(exe, plan["served"], st["threads"], st["n_batch"], st["flash_attn"],
                                                     depth, plan["output_tokens"], plan["levels"],
                                                     (st["cache_type_k"], st["cache_type_v"]))
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:    # reported; the others go on

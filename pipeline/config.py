@@ -466,8 +466,13 @@ class LoadConfig:
     stop_past_knee: bool = True            # a round stops climbing after two doublings that each added < knee_gain
     ctx_margin: int = 64                   # KV cells per slot beyond depth + output (chat template, rounding)
     memory_budget_gb: float | None = None  # null: the device's memory on CUDA, else the host's
+    runtimes: list = field(default_factory=lambda: ["llamacpp", "hf"])   # variant runtimes the sweep serves
 
     def __post_init__(self) -> None:
+        from pipeline.engines import ENGINES
+
+        _require(isinstance(self.runtimes, list) and self.runtimes and all(r in ENGINES for r in self.runtimes),
+                 "load.runtimes", self.runtimes, f"a non-empty list of runtimes with a serving engine ({sorted(ENGINES)})")
         for key in ("concurrency", "depths"):
             x = getattr(self, key)
             _require(isinstance(x, list) and x and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1

@@ -1,7 +1,8 @@
 """`make load` / `quantdrift command=load`: every variant measured the way it will be served.
 
 Each variant's artifact is served by a real engine with continuous batching (pipeline.engines: llama.cpp's
-``llama-server`` for GGUF files); a format without an engine on this device is reported as skipped with the reason.
+``llama-server`` for GGUF files, ``transformers serve`` for HF-format checkpoints); a variant no engine serves on
+this device, or whose runtime ``load.runtimes`` leaves out, is reported as skipped with the reason.
 guidellm (pipeline.loadgen) drives the engine's OpenAI-compatible endpoint at a list of concurrency levels with the
 suites' own business text as prompts, at each context depth, with a fixed number of output tokens per request.
 
@@ -245,31 +246,40 @@ def memory_budget_mb(cfg, gpu: bool) -> float:
 
 
 def plan_variant(cfg, name: str, original, depths: list[int], budget_mb: float) -> dict:
-    """What serves variant ``name`` and how: its engine, GGUF file, engine settings, the concurrency levels the
-    capacity plan lets fit ``budget_mb`` at the deepest of ``depths``, and a hash of the file. Raises Skip or
-    ConfigError with the reason where nothing serves it (no engine for its runtime, no artifact)."""
+    """What serves variant ``name`` and how: its engine class, the file or folder served, the engine settings, the
+    concurrency levels the capacity plan lets fit ``budget_mb`` at the deepest of ``depths``, and a hash of what is
+    served. Raises Skip or ConfigError with the reason where nothing serves it (its runtime is not in
+    ``load.runtimes``, no engine for it, no artifact)."""
     from pipeline.aggregate import kv_bytes_per_token_formula
     from pipeline.config import variant_of
     from pipeline.engines import engine_class
     from pipeline.quantizers import build_artifact
-    from pipeline.runtimes import runtime_class
-    from pipeline.runtimes.llamacpp import gguf_file
 
     lc = cfg.load
     variant = variant_of(cfg, name)
+    if variant.runtime not in lc.runtimes:
+        raise Skip(f"not in this sweep: its runtime {variant.runtime!r} is not in load.runtimes {list(lc.runtimes)} "
+                   "(`make load` serves every runtime)")
     engine = engine_class(variant.runtime)
     artifact = build_artifact(variant, original, dataclasses.replace(cfg, variant=variant))
-    gguf = gguf_file(artifact.path)
-    settings = serve_settings(cfg, variant)
+    served = engine.plan(cfg, variant, artifact, original.facts["head_dim"])
     ctx_per_slot = max(depths) + output_tokens(cfg) + lc.ctx_margin
-    element = runtime_class(variant.runtime).cache_element_bytes(settings, original.facts["head_dim"])
-    kv_tok = kv_bytes_per_token_formula(original.facts, element)
-    fits = sequences_that_fit(budget_mb * 2**20, cfg.capacity.headroom, gguf.stat().st_size, kv_tok, ctx_per_slot)
+    kv_tok = kv_bytes_per_token_formula(original.facts, served["kv_element_bytes"])
+    fits = sequences_that_fit(budget_mb * 2**20, cfg.capacity.headroom, served["weight_bytes"], kv_tok, ctx_per_slot)
     levels, _ = levels_within(lc.concurrency, fits)
-    return {"engine": engine, "gguf": gguf, "settings": settings, "levels": levels, "fits": fits,
-            "output_tokens": output_tokens(cfg), "ctx_per_slot": ctx_per_slot,
-            "file_hash": stable_hash({"file": gguf.name, "size": gguf.stat().st_size,
-                                      "mtime": int(gguf.stat().st_mtime)})}
+    path = Path(served["served"])
+    stat = path.stat()
+    return {**served, "engine": engine, "levels": levels, "fits": fits, "output_tokens": output_tokens(cfg),
+            "ctx_per_slot": ctx_per_slot,
+            "file_hash": stable_hash({"file": path.name, "size": served["weight_bytes"],
+                                      "mtime": int(stat.st_mtime)})}
+
+
+def trial_prompts(plans: dict, lc) -> int:
+    """Prompts per depth so that every request of a trial has its own (pipeline.loadgen.prompts_needed)."""
+    from pipeline.loadgen import prompts_needed
+
+    return max(prompts_needed(p["levels"], lc.min_requests, lc.requests_per_stream) for p in plans.values())
 
 
 def run_load(cfg, generate=None) -> dict:
@@ -277,7 +287,6 @@ def run_load(cfg, generate=None) -> dict:
     ``cfg.results_dir``; returns it. ``generate``: the load generator (pipeline.loadgen.run_guidellm; tests pass a
     fake with the same signature)."""
     from pipeline.conversation import ChatRenderer
-    from pipeline.llamatools import tool
     from pipeline.prepare import prepare
     from pipeline.run import load_suites
 
@@ -301,22 +310,23 @@ def run_load(cfg, generate=None) -> dict:
         try:
             plans[name] = plan_variant(cfg, name, original, depths, budget_mb)
         except (Skip, ConfigError) as exc:
-            skipped[name] = f"{exc}" if "serving engine" in str(exc) else f"not served: {exc}"
+            skipped[name] = f"{exc}" if ("serving engine" in str(exc) or "not in this sweep" in str(exc)) \
+                else f"not served: {exc}"
             log.warning("load: %s skipped: %s", name, skipped[name])
-    exe = tool("llama-server", cfg.bench.llama_tools) if plans else None
-    from pipeline.engines.llama_server import engine_version
-
-    version = engine_version(exe) if exe else ""
-    prompts = {d: load_prompts(renderer, suites, d, max(max(p["levels"]) for p in plans.values()) * 2)
-               for d in depths} if plans else {}
+    versions = {}
+    for plan in plans.values():
+        engine = plan["engine"]
+        plan["version"] = versions.setdefault(engine.name, engine.version(cfg))
+    prompts = {d: load_prompts(renderer, suites, d, trial_prompts(plans, lc)) for d in depths} if plans else {}
     run_dir = cfg.model_dir / "runs" / cfg.run.name
     out_dir, logs = run_dir / "load", run_dir / "load-logs"
-    key = {"variants": {n: {k: p[k] for k in ("settings", "levels", "ctx_per_slot", "file_hash")}
+    key = {"variants": {n: {"engine": p["engine"].name, **{k: p[k] for k in ("settings", "levels", "ctx_per_slot",
+                                                                          "file_hash")}}
                         for n, p in plans.items()},
            # the workload's targets judge the tables (rejudge, at report time); only what it makes us measure counts
            "load": dataclasses.asdict(lc), "measured_for": {"output_tokens": output_tokens(cfg)}, "depths": depths,
            "gpu": gpu,
-           "engine_version": version, "generator": generator,
+           "engine_versions": versions, "generator": generator,
            "prompts": stable_hash(prompts)}
 
     def build(tmp: Path) -> dict:
@@ -331,14 +341,13 @@ def run_load(cfg, generate=None) -> dict:
                 log.info("load: round %d/%d: %s at concurrency %s, depths %s", r + 1, lc.repeats, name,
                          plans[name]["levels"], depths)
                 try:
-                    trial = serve_trial(plans[name], exe, version, depths, prompts, lc, gpu, generate,
-                                   logs / f"{name}.r{r}.log")
+                    trial = serve_trial(plans[name], depths, prompts, lc, gpu, generate, logs / f"{name}.r{r}.log")
                 except Exception as exc:    # one failed trial is reported; the other variants go on
                     log.error("load trial %s failed: %s", item, exc)
                     trial = {"error": f"{type(exc).__name__}: {exc}"}
                 journal.add(item, trial)
         trials = {n: [journal.get(f"{r}:{n}") for r in range(lc.repeats)] for n in plans}
-        write_json(tmp / "load.json", summarize(trials, plans, skipped, depths, cfg, budget_mb, version, generator))
+        write_json(tmp / "load.json", summarize(trials, plans, skipped, depths, cfg, budget_mb, generator))
         return {"variants": len(plans), "skipped": len(skipped)}
 
     run_stage("load", out_dir, key, build, force=cfg.force)
@@ -348,20 +357,17 @@ def run_load(cfg, generate=None) -> dict:
     return result
 
 
-def serve_trial(plan: dict, exe: Path, version: str, depths: list[int], prompts: dict, lc, gpu: bool, generate,
-           log_path: Path) -> dict:
+def serve_trial(plan: dict, depths: list[int], prompts: dict, lc, gpu: bool, generate, log_path: Path) -> dict:
     """One round of one variant: a fresh server, then every depth's levels, with memory sampled per level."""
     engine = plan["engine"]
-    s = plan["settings"]
-    server = engine(exe, plan["gguf"], threads=s["threads"], slots=max(plan["levels"]),
-                    ctx_per_slot=plan["ctx_per_slot"], flash_attn=s["flash_attn"],
-                    cache_type_k=s["cache_type_k"], cache_type_v=s["cache_type_v"], gpu=gpu,
-                    n_batch=s["n_batch"], log_path=log_path, version=version)
+    server = engine.launch(plan, slots=max(plan["levels"]), ctx_per_slot=plan["ctx_per_slot"], gpu=gpu,
+                           log_path=log_path)
     out: dict = {"depths": {}}
     t0 = time.perf_counter()
     with OtherCpu() as other, server, MemorySampler(server.proc.pid, gpu) as sampler:
         for depth in depths:
             levels = generate(server.url, prompts[depth], levels=plan["levels"], output_tokens=plan["output_tokens"],
+                              request_body=engine.request_body(plan["output_tokens"]),
                               requests_per_stream=lc.requests_per_stream, min_requests=lc.min_requests,
                               max_seconds=lc.max_seconds_per_level, workdir=log_path.parent,
                               stop=(lambda rows: past_the_knee(rows, lc.knee_gain)) if lc.stop_past_knee else None)
@@ -376,7 +382,7 @@ def serve_trial(plan: dict, exe: Path, version: str, depths: list[int], prompts:
     return out
 
 
-def summarize(trials: dict, plans: dict, skipped: dict, depths: list[int], cfg, budget_mb: float, version: str,
+def summarize(trials: dict, plans: dict, skipped: dict, depths: list[int], cfg, budget_mb: float,
               generator: str) -> dict:
     """load.json: per variant and depth the level table, judged against the workload (``rejudge``: the knee and
     the operating point); skipped variants with their reasons; the sweep's settings."""
@@ -392,9 +398,10 @@ def summarize(trials: dict, plans: dict, skipped: dict, depths: list[int], cfg, 
         per_depth = {str(d): {"levels": {str(c): f for c, f in
                                          level_table([t["depths"].get(str(d)) for t in good]).items()}}
                      for d in depths}
+        settings = {**plan["settings"], "slots": max(plan["levels"]), "ctx_per_slot": plan["ctx_per_slot"]}
         variants[name] = {
-            "status": "ok", "engine": plan["engine"].name, "engine_version": version,
-            "settings": {**plan["settings"], "slots": max(plan["levels"]), "ctx_per_slot": plan["ctx_per_slot"]},
+            "status": "ok", "engine": plan["engine"].name, "engine_version": plan["version"],
+            "settings": settings, "setup": plan["engine"].describe(settings),
             "levels": plan["levels"], "capacity_fits": plan["fits"], "rounds": len(good), "errors": errors,
             "cpu_noise_rounds": [t.get("cpu_noise") for t in good], "depths": per_depth,
         }
@@ -472,8 +479,9 @@ def format_load(result: dict) -> str:
         if v["status"] != "ok":
             lines.append(f"{name}: {v['status']}: {v['reason']}")
             continue
-        lines.append(f"{name} on {v['engine']} ({v['settings']['threads']} threads, {v['settings']['slots']} slots, "
-                     f"KV {v['settings']['cache_type_k']}/{v['settings']['cache_type_v']}):")
+        from pipeline.engines import describe
+
+        lines.append(f"{name} on {v['engine']} ({v.get('setup') or describe(v['engine'], v['settings'])}):")
         for depth, block in numeric_order(v["depths"]):
             lines.append(f"  context {depth}: {'conc':>5}{'out tok/s':>11}{'req/s':>7}{'TTFT p50/p99 s':>17}"
                          f"{'ITL p50/p99 ms':>17}{'e2e p99 s':>11}{'peak MB':>9}  verdict")

@@ -2,10 +2,11 @@
 per invocation, so a hung level or a dead server costs one level and the server can be checked idle between levels.
 
 Per level: ``concurrency`` streams keep that many chat-completion requests in flight; the prompts are the suites'
-business text; every request generates exactly ``output_tokens`` tokens (the data column
-``output_tokens_count`` makes guidellm send ``max_completion_tokens`` with ``ignore_eos``); the server's prompt cache
-is off per request (``cache_prompt=false``: guidellm restarts the prompt list at every level, and a repeated prompt
-served from the cache would flatter TTFT). A level ends after max(min_requests, concurrency x requests_per_stream)
+business text, and every request of a trial gets its own prompt (level after level, guidellm would otherwise start
+its list again, and an engine that keeps earlier prompts' KV blocks would serve the repeats from them and flatter
+TTFT); every request generates exactly ``output_tokens`` tokens and uses no prompt cache, by the engine's own
+request fields (its ``request_body``: llama-server's ``ignore_eos`` and ``cache_prompt=false``, transformers
+serve's per-request generation config). A level ends after max(min_requests, concurrency x requests_per_stream)
 requests have finished (``max_requests``: no request is cancelled, the last ones run at a lower concurrency), or at
 ``max_seconds`` (then in-flight requests are cancelled and reported incomplete).
 
@@ -135,28 +136,46 @@ def wait_idle(url: str, timeout_s: float = 60.0) -> bool:
     return False
 
 
-def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_tokens: int, requests_per_stream: int,
-                 min_requests: int, max_seconds: float, workdir: Path, stop=None) -> list[dict]:
+def level_requests(levels: list[int], min_requests: int, requests_per_stream: int) -> dict[int, int]:
+    """The requests each level sends: max(min_requests, concurrency x requests_per_stream)."""
+    return {c: max(min_requests, c * requests_per_stream) for c in sorted(levels)}
+
+
+def prompts_needed(levels: list[int], min_requests: int, requests_per_stream: int) -> int:
+    """Distinct prompts a trial needs so that no request repeats another's prompt."""
+    return sum(level_requests(levels, min_requests, requests_per_stream).values())
+
+
+def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_tokens: int, request_body: dict,
+                 requests_per_stream: int, min_requests: int, max_seconds: float, workdir: Path,
+                 stop=None) -> list[dict]:
     """Every level in increasing order, one guidellm run each (see the module docstring); returns
-    ``parse_guidellm``'s rows. ``stop(rows)``, asked before each level after the first, ends the climb early (the
-    levels measured so far are returned). A level whose guidellm run fails raises with the tail of its log."""
+    ``parse_guidellm``'s rows. ``request_body``: the engine's fields for exactly ``output_tokens`` tokens per request
+    (pipeline.engines: ``Engine.request_body``). ``prompts``: at least ``prompts_needed`` of them; level after level
+    takes the next ones. ``stop(rows)``, asked before each level after the first, ends the climb early (the levels
+    measured so far are returned). A level whose guidellm run fails raises with the tail of its log."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    data = workdir / f"prompts-{os.getpid()}.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "output_tokens_count": output_tokens}) + "\n" for p in prompts))
+    counts = level_requests(levels, min_requests, requests_per_stream)
+    if len(prompts) < sum(counts.values()):
+        raise ValueError(f"run_guidellm: {len(prompts)} prompts for {sum(counts.values())} requests "
+                         f"(levels {sorted(levels)}): every request needs its own prompt")
+    backend = json.dumps({"kind": "openai_http", "target": url, "timeout": int(max_seconds),
+                          "extras": {"body": request_body}})
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    rows = []
+    rows, start = [], 0
+    data = workdir / f"prompts-{os.getpid()}.jsonl"
     try:
-        for c in sorted(levels):
+        for c, count in counts.items():
             if rows and stop is not None and stop(rows):
                 log.info("load: climb ended before concurrency %d (past the knee)", c)
                 break
             wait_idle(url)
-            count = max(min_requests, c * requests_per_stream)
+            data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts[start:start + count]))
+            start += count
             out = workdir / f"guidellm-{os.getpid()}-c{c}.json"
             errlog = workdir / f"guidellm-c{c}.log"
-            cmd = [str(guidellm_exe()), "run",
-                   "--backend", f"kind=openai_http,target={url},timeout={int(max_seconds)},extras.body.cache_prompt=false",
+            cmd = [str(guidellm_exe()), "run", "--backend", backend,
                    "--profile", f"kind=concurrent,streams={c}",
                    "--constraint", f"kind=max_requests,count={count}",
                    "--constraint", f"kind=max_duration,seconds={int(max_seconds)}",
@@ -171,6 +190,11 @@ def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_toke
                                    f"{tail}")
             level = parse_guidellm(json.loads(out.read_text()))
             out.unlink()
+            got = level[0].get("output_tokens_per_request")
+            if level[0]["completed"] and got is not None and abs(got - output_tokens) > 0.5:
+                raise RuntimeError(f"the engine at {url} generated {got:.1f} "
+                                   f"tokens per request at concurrency {c}, not the {output_tokens} asked for: its "
+                                   f"request fields {request_body} do not fix the output length")
             rows += level
             log.info("load: concurrency %d: %d requests, %.1f output tok/s", c, level[0]["completed"],
                      level[0]["output_tokens_per_s"])

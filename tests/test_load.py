@@ -164,6 +164,13 @@ def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gg
     with server:
         assert server.healthy()
         pid = server.proc.pid
+        # warmed up before anything is measured: one short request, WARM_UP_TOKENS generated
+        from pipeline.engines.server import WARM_UP_TOKENS
+
+        with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+            metrics = dict(line.split()[:2] for line in r.read().decode().splitlines()
+                           if line and not line.startswith("#"))
+        assert float(metrics["llamacpp:tokens_predicted_total"]) == WARM_UP_TOKENS
         reply = _chat(server.url, "Confirm order PO-4471 for 12 pallets.", 8)
         assert reply["usage"]["completion_tokens"] == 8
         assert server.peak_rss_mb() > 50
@@ -225,8 +232,9 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
 
     calls = []
 
-    def generate(url, prompts, *, levels, output_tokens, requests_per_stream, min_requests, max_seconds, workdir,
-                 stop=None):
+    def generate(url, prompts, *, levels, output_tokens, request_body, requests_per_stream, min_requests, max_seconds,
+                 workdir, stop=None):
+        assert request_body == {"max_completion_tokens": output_tokens, "ignore_eos": True, "cache_prompt": False}
         out = []
         for c in levels:
             if out and stop and stop(out):
@@ -251,7 +259,7 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     result = run_load(cfg, generate=generate)
     assert set(pids_of(server_exe)) - before == set()
     assert result["variants"]["original"]["status"] == "skipped"
-    assert "no serving engine for 'hf'" in result["variants"]["original"]["reason"]
+    assert "not in this sweep" in result["variants"]["original"]["reason"]      # load=short: llamacpp only
     q8 = result["variants"]["gguf_q8_0"]
     assert q8["status"] == "ok" and q8["rounds"] == 2 and q8["engine"] == "llama-server"
     assert len({url for url, *_ in calls}) == 2          # a fresh server (a new port) per round
@@ -270,7 +278,7 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
 
     key, title, blocks = _load_section({"load": result})
     text = json.dumps(blocks)
-    assert key == "load" and "gguf_q8_0" in text and "no serving engine" in text and "workload" in text.lower()
+    assert key == "load" and "gguf_q8_0" in text and "not in this sweep" in text and "workload" in text.lower()
     plots = _load_plots(plt, result, cfg.results_dir, {"gguf_q8_0": "#1f77b4", "original": "#ff7f0e"})
     assert set(plots) == {"load_throughput", "load_itl"}
     assert all((cfg.results_dir / f).stat().st_size > 1000 for f in plots.values())
@@ -278,6 +286,106 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     calls.clear()
     run_load(cfg, generate=generate)
     assert calls == []
+
+
+def _post(url: str, text: str, body: dict) -> dict:
+    data = json.dumps({"messages": [{"role": "user", "content": text}], **body}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_hf_variants_are_served_by_transformers_serve_and_the_int8_cache_is_skipped_with_why(tiny_cfg):
+    """run_load with load.runtimes=[hf] on the tiny model: the original served by a real `transformers serve
+    --continuous-batching` (a fresh one per round), every request asking through the engine's own fields for exactly
+    N tokens (the tiny random model would otherwise stop at whatever end-of-sequence it draws); the int8 KV-cache
+    variant skipped with the reason (continuous batching keeps a paged cache in the model's dtype); no server left."""
+    from pipeline.engines.server import pids_running
+    from pipeline.load import format_load, run_load
+
+    urls = []
+
+    def generate(url, prompts, *, levels, output_tokens, request_body, requests_per_stream, min_requests, max_seconds,
+                 workdir, stop=None):
+        assert "ignore_eos" not in request_body        # transformers serve answers 422 to unknown fields
+        out = []
+        for c in levels:
+            start = time.time()
+            for p in prompts[:c]:
+                reply = _post(url, p, request_body)
+                assert reply["usage"]["completion_tokens"] == output_tokens
+            end = time.time()
+            urls.append(url)
+            wall = max(end - start, 1e-6)
+            out.append({"concurrency": c, "completed": c, "errored": 0, "start_time": start, "end_time": end,
+                        "output_tokens_per_s": c * output_tokens / wall, "requests_per_s": c / wall,
+                        "ttft_p50_s": 0.01, "ttft_p99_s": 0.02, "itl_p50_s": 0.01, "itl_p99_s": 0.02,
+                        "e2e_p50_s": wall, "e2e_p99_s": wall})
+        return out
+
+    generate.version = "test generator"
+    cfg = tiny_cfg("command=load", "run.variants=[original,original+kv_int8]", "load.runtimes=[hf]",
+                   "load.repeats=2", "load.concurrency=[1]", "load.depths=[32]", "load.output_tokens=6",
+                   "runtime.threads=1")
+    marker = "--continuous-batching"
+    before = set(pids_running(marker))
+    result = run_load(cfg, generate=generate)
+    assert set(pids_running(marker)) - before == set()
+    orig = result["variants"]["original"]
+    assert orig["status"] == "ok", orig
+    assert orig["engine"] == "transformers serve" and "transformers serve 5." in orig["engine_version"]
+    assert orig["rounds"] == 2 and len(set(urls)) == 2            # a fresh server per round
+    assert orig["settings"]["dtype"] == "float32" and "continuous batching" in orig["setup"]
+    assert orig["depths"]["32"]["levels"]["1"]["peak_rss_mb"] > 100
+    kv = result["variants"]["original+kv_int8"]
+    assert kv["status"] == "skipped" and "integer KV cache" in kv["reason"]
+    assert "original on transformers serve" in format_load(result)
+
+
+def test_transformers_serve_says_why_it_cannot_serve_a_compressed_tensors_checkpoint(tmp_path):
+    """llm-compressor's packed checkpoints cannot be held by transformers 5.24 (the hf runtime dequantizes them at
+    load; transformers serve cannot): the plan raises Skip naming the format, before any server starts."""
+    from types import SimpleNamespace
+
+    from pipeline.engines.transformers_serve import TransformersServe
+    from pipeline.errors import Skip
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "compressed-tensors"}}))
+    variant = SimpleNamespace(name="awq_w4_llmc", runtime="hf", runtime_options={})
+    cfg = SimpleNamespace(runtime=SimpleNamespace(device="cpu", n_threads=2))
+    with pytest.raises(Skip, match="compressed-tensors"):
+        TransformersServe.plan(cfg, variant, SimpleNamespace(path=folder), 64)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    plan = TransformersServe.plan(cfg, variant, SimpleNamespace(path=folder), 64)
+    assert plan["settings"] == {"threads": 2, "device": "cpu", "dtype": "float32"} and plan["kv_element_bytes"] == 4
+
+
+def test_an_engine_that_does_not_fix_the_output_length_fails_the_level_loudly(tmp_path, monkeypatch):
+    """A guidellm level whose requests came back with another token count than asked for raises: the engine's
+    request fields did not work, and its throughput would not be comparable."""
+    import pipeline.loadgen as loadgen
+
+    report = json.loads((Path(__file__).parent / "data" / "guidellm_0.8.1_concurrent.json").read_text())
+    report["benchmarks"] = report["benchmarks"][:1]
+
+    def fake_run(cmd, stdout, stderr, env, timeout, **kw):
+        out = cmd[cmd.index("--output") + 1].split("path=")[1]
+        Path(out).write_text(json.dumps(report))
+        assert json.loads(cmd[cmd.index("--backend") + 1])["extras"]["body"] == {"max_completion_tokens": 7}
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(loadgen.subprocess, "run", fake_run)
+    monkeypatch.setattr(loadgen, "guidellm_exe", lambda: Path("/bin/true"))
+    monkeypatch.setattr(loadgen, "wait_idle", lambda url: True)
+    with pytest.raises(RuntimeError, match="not the 7 asked for"):
+        loadgen.run_guidellm("http://x", ["p"] * 4, levels=[1], output_tokens=7,
+                             request_body={"max_completion_tokens": 7}, requests_per_stream=2, min_requests=4,
+                             max_seconds=10, workdir=tmp_path)
+    with pytest.raises(ValueError, match="its own prompt"):
+        loadgen.run_guidellm("http://x", ["p"] * 3, levels=[1], output_tokens=7, request_body={},
+                             requests_per_stream=2, min_requests=4, max_seconds=10, workdir=tmp_path)
 
 
 def test_guidellm_reports_are_parsed_per_level_in_seconds():
@@ -411,9 +519,13 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
 
     ran = []
 
+    sent = []
+
     def fake_run(cmd, **kw):
         c = int(next(a for a in cmd if a.startswith("kind=concurrent")).split("streams=")[1])
         ran.append(c)
+        data = next(a for a in cmd if a.startswith("kind=json_file,path=")).split("path=")[1]
+        sent.append([json.loads(line)["prompt"] for line in Path(data).read_text().splitlines()])
         out = next(a for a in cmd if a.startswith("kind=json,path=")).split("path=")[1]
         Path(out).write_text(json.dumps({"c": c}))
         return subprocess.CompletedProcess(cmd, 0)
@@ -426,14 +538,19 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
                         lambda rep: [{"concurrency": rep["c"], "completed": 4, "output_tokens_per_s": flat[rep["c"]]}])
     from pipeline.load import past_the_knee
 
-    got = loadgen.run_guidellm("http://x", ["p"], levels=[1, 2, 4, 8, 16], output_tokens=4, requests_per_stream=2,
-                               min_requests=4, max_seconds=10, workdir=tmp_path,
+    prompts = [f"p{i}" for i in range(loadgen.prompts_needed([1, 2, 4, 8, 16], 4, 2))]
+    assert len(prompts) == 4 + 4 + 8 + 16 + 32
+    got = loadgen.run_guidellm("http://x", prompts, levels=[1, 2, 4, 8, 16], output_tokens=4, request_body={},
+                               requests_per_stream=2, min_requests=4, max_seconds=10, workdir=tmp_path,
                                stop=lambda rows: past_the_knee(rows, 0.10))
     assert ran == [1, 2, 4] and [r["concurrency"] for r in got] == [1, 2, 4]
     ran.clear()
-    loadgen.run_guidellm("http://x", ["p"], levels=[1, 2, 4, 8, 16], output_tokens=4, requests_per_stream=2,
-                         min_requests=4, max_seconds=10, workdir=tmp_path)
+    sent.clear()
+    loadgen.run_guidellm("http://x", prompts, levels=[1, 2, 4, 8, 16], output_tokens=4, request_body={},
+                         requests_per_stream=2, min_requests=4, max_seconds=10, workdir=tmp_path)
     assert ran == [1, 2, 4, 8, 16]
+    # every request of the trial has its own prompt: no level repeats an earlier level's
+    assert [len(x) for x in sent] == [4, 4, 8, 16, 32] and sum(sent, []) == prompts
 
 
 def test_make_bench_serves_each_variant_then_runs_llama_batched_bench_in_alternating_rounds(monkeypatch, tmp_path):
@@ -459,14 +576,16 @@ def test_make_bench_serves_each_variant_then_runs_llama_batched_bench_in_alterna
         assert depths == [256]
         if name == "original":
             raise Skip("no serving engine for 'hf' on cpu")
-        return {"gguf": tmp_path / f"{name}.gguf", "levels": [1, 2], "output_tokens": 16,
+        return {"engine": llama_server.LlamaServer, "served": tmp_path / f"{name}.gguf", "levels": [1, 2],
+                "output_tokens": 16,
                 "settings": {"threads": 2, "n_batch": 512, "flash_attn": True, "cache_type_k": "f16",
                              "cache_type_v": "f16"}}
 
-    def trial(plan_, exe, version, depths, prompts, lc, gpu, generate, log_path):
-        assert lc.stop_past_knee is False and depths == [256] and len(prompts[256]) == 4
+    def trial(plan_, depths, prompts, lc, gpu, generate, log_path):
+        assert lc.stop_past_knee is False and depths == [256] and len(prompts[256]) == 8     # 4 + 4 requests
+        assert plan_["version"] == "llama-server test"
         r = int(log_path.name.split(".r")[1].split(".")[0])
-        calls.append(("serve", plan_["gguf"].stem, r))
+        calls.append(("serve", plan_["served"].stem, r))
         f = slow[r]
         return {"cpu_noise": 0.01, "depths": {"256": [
             {"concurrency": 1, "output_tokens_per_s": 40.0 * f}, {"concurrency": 2, "output_tokens_per_s": 60.0 * f}]}}

