@@ -342,6 +342,36 @@ def test_hf_variants_are_served_by_transformers_serve_and_the_int8_cache_is_skip
     assert "original on transformers serve" in format_load(result)
 
 
+def test_no_transformers_server_outlives_a_run_killed_with_sigkill(tiny_llama, tmp_path):
+    """The same parent-death guarantee for transformers serve (a Python server: found by its command line)."""
+    from pipeline.engines.server import pids_running
+
+    marker = f"serve {tiny_llama}"
+    script = f"""
+import time
+from pathlib import Path
+from pipeline.engines.transformers_serve import TransformersServe
+with TransformersServe(Path({str(tiny_llama)!r}), threads=1, slots=1, ctx_per_slot=64,
+                       log_path=Path({str(tmp_path / 'k.log')!r})) as s:
+    print(s.proc.pid, flush=True)
+    time.sleep(600)
+"""
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                           cwd=str(__import__("pipeline").__path__[0] + "/.."))
+    try:
+        pid = int(run.stdout.readline())
+        assert pid in pids_running(marker)
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while pids_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pids_running(marker) == []
+    finally:
+        if run.poll() is None:
+            run.kill()
+
+
 def test_transformers_serve_says_why_it_cannot_serve_a_compressed_tensors_checkpoint(tmp_path):
     """llm-compressor's packed checkpoints cannot be held by transformers 5.24 (the hf runtime dequantizes them at
     load; transformers serve cannot): the plan raises Skip naming the format, before any server starts."""
