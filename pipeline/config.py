@@ -472,7 +472,8 @@ class LoadConfig:
         from pipeline.engines import ENGINES
 
         _require(isinstance(self.runtimes, list) and self.runtimes and all(r in ENGINES for r in self.runtimes),
-                 "load.runtimes", self.runtimes, f"a non-empty list of runtimes with a serving engine ({sorted(ENGINES)})")
+                 "load.runtimes", self.runtimes,
+                 f"a non-empty list of runtimes with a serving engine ({sorted(ENGINES)})")
         for key in ("concurrency", "depths"):
             x = getattr(self, key)
             _require(isinstance(x, list) and x and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1

@@ -310,8 +310,8 @@ def run_load(cfg, generate=None) -> dict:
         try:
             plans[name] = plan_variant(cfg, name, original, depths, budget_mb)
         except (Skip, ConfigError) as exc:
-            skipped[name] = f"{exc}" if ("serving engine" in str(exc) or "not in this sweep" in str(exc)) \
-                else f"not served: {exc}"
+            # a Skip states its own reason (no engine, not in this sweep); a bad input says what failed
+            skipped[name] = str(exc) if isinstance(exc, Skip) else f"not served: {exc}"
             log.warning("load: %s skipped: %s", name, skipped[name])
     versions = {}
     for plan in plans.values():

@@ -691,3 +691,13 @@ def test_a_run_that_only_swept_load_still_gets_both_load_plots(tmp_path):
     plots = make_plots(summary, tmp_path)
     assert set(plots) == {"load_throughput", "load_itl"}
     assert all((tmp_path / f).stat().st_size > 1000 for f in plots.values())
+
+
+def test_load_runtimes_must_name_runtimes_with_a_serving_engine():
+    from pipeline.errors import ConfigError
+    from tests.conftest import compose
+
+    assert compose([]).load.runtimes == ["llamacpp"]                      # the short sweep of make compare
+    assert compose(["load=full"]).load.runtimes == ["llamacpp", "hf"]     # make load: every runtime
+    with pytest.raises(ConfigError, match=r"load.runtimes=\['vllm'\].*serving engine \(\['hf', 'llamacpp'\]\)"):
+        compose(["load.runtimes=[vllm]"])
