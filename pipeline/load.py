@@ -257,10 +257,11 @@ def plan_variant(cfg, name: str, original, depths: list[int], budget_mb: float) 
 
     lc = cfg.load
     variant = variant_of(cfg, name)
+    engine = engine_class(variant.runtime)
+    engine.check(variant)
     if variant.runtime not in lc.runtimes:
         raise Skip(f"not in this sweep: its runtime {variant.runtime!r} is not in load.runtimes {list(lc.runtimes)} "
                    "(`make load` serves every runtime)")
-    engine = engine_class(variant.runtime)
     artifact = build_artifact(variant, original, dataclasses.replace(cfg, variant=variant))
     served = engine.plan(cfg, variant, artifact, original.facts["head_dim"])
     ctx_per_slot = max(depths) + output_tokens(cfg) + lc.ctx_margin

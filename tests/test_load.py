@@ -254,12 +254,15 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
 
     generate.version = "test generator"
     before = set(pids_of(server_exe))
-    cfg = tiny_cfg("command=load", "run.variants=[original,gguf_q8_0]", "load.repeats=2", "load.concurrency=[1,2]",
+    cfg = tiny_cfg("command=load", "run.variants=[original,original+kv_int8,gguf_q8_0]", "load.repeats=2",
+                   "load.concurrency=[1,2]",
                    "load.depths=[64]", "load.output_tokens=4", "runtime.threads=1")
     result = run_load(cfg, generate=generate)
     assert set(pids_of(server_exe)) - before == set()
     assert result["variants"]["original"]["status"] == "skipped"
     assert "not in this sweep" in result["variants"]["original"]["reason"]      # load=short: llamacpp only
+    # a variant no engine can serve says so, whichever runtimes the sweep serves
+    assert "integer KV cache" in result["variants"]["original+kv_int8"]["reason"]
     q8 = result["variants"]["gguf_q8_0"]
     assert q8["status"] == "ok" and q8["rounds"] == 2 and q8["engine"] == "llama-server"
     assert len({url for url, *_ in calls}) == 2          # a fresh server (a new port) per round

@@ -66,6 +66,11 @@ class ServedEngine:
         raise NotImplementedError
 
     @classmethod
+    def check(cls, variant) -> None:
+        """Raise pipeline.errors.Skip, with the reason, where the engine cannot serve ``variant`` whatever its
+        artifact holds (e.g. a KV-cache setting it has no equivalent of); asked before any artifact is built."""
+
+    @classmethod
     def plan(cls, cfg, variant, artifact, head_dim: int) -> dict:
         """What this engine serves for ``variant`` and how: {"served": file or folder, "weight_bytes",
         "kv_element_bytes", "settings"}; raises pipeline.errors.Skip, with the reason, where it cannot serve it."""

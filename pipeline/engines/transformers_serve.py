@@ -73,16 +73,23 @@ class TransformersServe(ServedEngine):
                 "generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}
 
     @classmethod
+    def check(cls, variant) -> None:
+        from pipeline.errors import Skip
+        from pipeline.runtimes import runtime_class
+
+        if runtime_class(variant.runtime).kv_cache_applied(variant.runtime_options):
+            raise Skip(f"no serving engine for {variant.name!r}: transformers serve's continuous batching keeps "
+                       "its paged KV cache in the model's dtype (no integer KV cache), and vLLM needs CUDA")
+
+    @classmethod
     def plan(cls, cfg, variant, artifact, head_dim: int) -> dict:
         from pipeline.errors import Skip
         from pipeline.runtimes import runtime_class
         from pipeline.runtimes.hf import resolve_device
         from pipeline.store import dir_bytes
 
+        cls.check(variant)
         rt = runtime_class(variant.runtime)
-        if rt.kv_cache_applied(variant.runtime_options):
-            raise Skip(f"no serving engine for {variant.name!r}: transformers serve's continuous batching keeps "
-                       "its paged KV cache in the model's dtype (no integer KV cache), and vLLM needs CUDA")
         folder = Path(artifact.path)
         config = folder / "config.json"
         if not config.is_file():
