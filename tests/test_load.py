@@ -156,7 +156,8 @@ def _chat(url: str, text: str, max_tokens: int) -> dict:
 
 
 def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gguf, tmp_path):
-    from pipeline.engines.llama_server import LlamaServer, pids_of
+    from pipeline.engines.llama_server import LlamaServer
+    from pipeline.engines.server import pids_of
 
     before = set(pids_of(server_exe))
     server = LlamaServer(server_exe, embedded_gguf, threads=1, slots=2, ctx_per_slot=256, flash_attn=True,
@@ -181,7 +182,8 @@ def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gg
 
 
 def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_nothing(server_exe, tmp_path):
-    from pipeline.engines.llama_server import LlamaServer, ServerError, pids_of
+    from pipeline.engines.llama_server import LlamaServer
+    from pipeline.engines.server import ServerError, pids_of
 
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
@@ -194,7 +196,7 @@ def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_nothing(server
 
 
 def test_no_server_outlives_a_run_killed_with_sigkill(server_exe, embedded_gguf, tmp_path):
-    from pipeline.engines.llama_server import pids_of
+    from pipeline.engines.server import pids_of
 
     script = f"""
 import sys, time
@@ -227,7 +229,7 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     """run_load on the tiny model: gguf_q8_0 served by the real llama-server (a fresh one per round) under a load
     generator that sends real requests at each level; the original (transformers) is skipped with its reason; the
     summary, report section and plots come out; every server is stopped."""
-    from pipeline.engines.llama_server import pids_of
+    from pipeline.engines.server import pids_of
     from pipeline.load import format_load, run_load
 
     calls = []

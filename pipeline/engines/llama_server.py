@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from pipeline.children import child_options
-from pipeline.engines.server import ServedEngine, ServerError, free_port, pids_of  # noqa: F401 (re-exported)
+from pipeline.engines.server import ServedEngine
 
 log = logging.getLogger(__name__)
 
