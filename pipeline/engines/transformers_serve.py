@@ -18,7 +18,7 @@ host's free memory for it (10.9 GB resident for the 135M embedded model here), w
 ``cb_blocks`` gives 2 x slots x pages-per-slot + slots pages of 256 tokens: the scheduler keeps 15 % of the pages free
 and holds finished requests' pages for prefix sharing, so a tighter cache throttles admission (measured at 4
 concurrent 512-token requests: 16 or 20 pages gave 12.6-13.5 output tok/s and TTFT p50 up to 4.6 s; 28 pages
-15.4 tok/s, as the default cache's 15.4-16.1, at 1.9 GB resident)."""
+15.4 tok/s, as the default cache's 15.4 and 15.8 in two trials, at 1.9 GB resident)."""
 
 from __future__ import annotations
 
