@@ -141,7 +141,7 @@ def _probe_beside_llama_bench(cfg: Config, variant, artifact, prompt: list[int])
         exe = tool("llama-bench", cfg.bench.llama_tools)
     except ConfigError as exc:
         return probe_speed(cfg, variant, artifact, prompt), {"status": "skipped", "reason": str(exc)}
-    from pipeline.load import serve_settings
+    from pipeline.engines.llama_server import serve_settings
 
     st = serve_settings(cfg, variant)
     sp = cfg.profile.speed

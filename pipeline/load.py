@@ -220,14 +220,6 @@ def load_prompts(renderer, suites: dict, depth: int, n: int, reserve: int = 48) 
 # ---------------------------------------------------------------------------------------------------------------
 # the sweep
 
-def serve_settings(cfg, variant) -> dict:
-    """The engine settings a variant's runtime options translate to (threads, flash attention, K/V cache types)."""
-    opts = dict(variant.runtime_options or {})
-    flash = cfg.runtime.flash_attn if opts.get("flash_attn") is None else bool(opts["flash_attn"])
-    return {"threads": cfg.runtime.n_threads, "flash_attn": flash, "n_batch": cfg.runtime.n_batch,
-            "cache_type_k": opts.get("cache_type_k", "f16"), "cache_type_v": opts.get("cache_type_v", "f16")}
-
-
 def memory_budget_mb(cfg, gpu: bool) -> float:
     """load.memory_budget_gb, else the device's memory on CUDA, else the host's physical memory."""
     lc = cfg.load

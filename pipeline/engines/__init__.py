@@ -6,8 +6,8 @@ the endpoint and knows nothing of the backend.
 
 ``ENGINES`` maps a runtime (variant.runtime) to the engine that serves its artifacts: llama.cpp's llama-server for
 GGUF files, ``transformers serve`` for HF-format checkpoints. An engine that cannot serve one variant (an integer
-KV cache, a format it cannot load) says why in its ``plan``; the variant is reported skipped with that reason,
-never dropped."""
+KV cache, a format it cannot load) says why in its ``check`` or ``plan``; the variant is reported skipped with that
+reason, never dropped."""
 
 from __future__ import annotations
 
@@ -17,17 +17,12 @@ from pipeline.errors import Skip
 ENGINES = {"llamacpp": "pipeline.engines.llama_server:LlamaServer",
            "hf": "pipeline.engines.transformers_serve:TransformersServe"}
 
-# variant.runtime -> why no engine serves it here (the reason a skipped variant carries)
-NO_ENGINE: dict[str, str] = {}
-
-
 def engine_class(runtime: str):
     """The engine class serving ``runtime``'s artifacts; Skip, naming the format and the reason, where none does."""
     import importlib
 
     if runtime not in ENGINES:
-        why = NO_ENGINE.get(runtime, "no engine is registered for it")
-        raise Skip(f"no serving engine for {runtime!r} artifacts: {why}")
+        raise Skip(f"no serving engine for {runtime!r} artifacts: no engine is registered for it")
     module, cls = ENGINES[runtime].split(":")
     return getattr(importlib.import_module(module), cls)
 

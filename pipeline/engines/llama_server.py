@@ -19,6 +19,15 @@ from pipeline.engines.server import ServedEngine
 log = logging.getLogger(__name__)
 
 
+def serve_settings(cfg, variant) -> dict:
+    """The llama.cpp settings a variant's runtime options translate to (threads, flash attention, batch, K/V cache
+    types): llama-server's here, llama-bench's in `make bench`."""
+    opts = dict(variant.runtime_options or {})
+    flash = cfg.runtime.flash_attn if opts.get("flash_attn") is None else bool(opts["flash_attn"])
+    return {"threads": cfg.runtime.n_threads, "flash_attn": flash, "n_batch": cfg.runtime.n_batch,
+            "cache_type_k": opts.get("cache_type_k", "f16"), "cache_type_v": opts.get("cache_type_v", "f16")}
+
+
 class LlamaServer(ServedEngine):
     name = "llama-server"
 
@@ -54,7 +63,6 @@ class LlamaServer(ServedEngine):
     @classmethod
     def plan(cls, cfg, variant, artifact, head_dim: int) -> dict:
         from pipeline.llamatools import tool
-        from pipeline.load import serve_settings
         from pipeline.runtimes import runtime_class
         from pipeline.runtimes.llamacpp import gguf_file
 

@@ -197,28 +197,27 @@ class ServedEngine:
                 self._log = None
 
 
-def pids_of(exe: Path) -> list[int]:
-    """Live processes running the executable ``exe`` (a test's check that no server outlived its run)."""
+def _live_pids(matches) -> list[int]:
+    """Live processes other than this one for which ``matches(proc_dir)`` holds (processes that vanish or cannot
+    be read while being looked at are left out)."""
     out = []
     for d in Path("/proc").iterdir():
-        if d.name.isdigit():
+        if d.name.isdigit() and int(d.name) != os.getpid():
             try:
-                if os.readlink(d / "exe") == str(Path(exe).resolve()):
+                if matches(d):
                     out.append(int(d.name))
             except OSError:
                 continue
     return out
+
+
+def pids_of(exe: Path) -> list[int]:
+    """Live processes running the executable ``exe`` (a test's check that no server outlived its run)."""
+    target = str(Path(exe).resolve())
+    return _live_pids(lambda d: os.readlink(d / "exe") == target)
 
 
 def pids_running(marker: str) -> list[int]:
     """Live processes whose command line contains ``marker`` (for servers run by an interpreter, whose
     executable is python itself)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if marker in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    out.append(int(d.name))
-            except OSError:
-                continue
-    return out
+    return _live_pids(lambda d: marker in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))

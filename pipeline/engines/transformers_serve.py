@@ -88,7 +88,6 @@ class TransformersServe(ServedEngine):
         from pipeline.runtimes.hf import resolve_device
         from pipeline.store import dir_bytes
 
-        cls.check(variant)
         rt = runtime_class(variant.runtime)
         folder = Path(artifact.path)
         config = folder / "config.json"
