@@ -467,9 +467,15 @@ class LoadConfig:
     ctx_margin: int = 64                   # KV cells per slot beyond depth + output (chat template, rounding)
     memory_budget_gb: float | None = None  # null: the device's memory on CUDA, else the host's
     runtimes: list = field(default_factory=lambda: ["llamacpp", "hf"])   # variant runtimes the sweep serves
+    generator_processes: int | None = 1    # guidellm worker processes per level; null: guidellm's one per stream
 
     def __post_init__(self) -> None:
         from pipeline.engines import ENGINES
+
+        _require(self.generator_processes is None or (isinstance(self.generator_processes, int)
+                                                      and not isinstance(self.generator_processes, bool)
+                                                      and self.generator_processes >= 1),
+                 "load.generator_processes", self.generator_processes, "null or a positive integer")
 
         _require(isinstance(self.runtimes, list) and self.runtimes and all(r in ENGINES for r in self.runtimes),
                  "load.runtimes", self.runtimes,

@@ -363,7 +363,8 @@ def serve_trial(plan: dict, depths: list[int], prompts: dict, lc, gpu: bool, gen
                               request_body=engine.request_body(plan["output_tokens"]),
                               requests_per_stream=lc.requests_per_stream, min_requests=lc.min_requests,
                               max_seconds=lc.max_seconds_per_level, workdir=log_path.parent,
-                              stop=(lambda rows: past_the_knee(rows, lc.knee_gain)) if lc.stop_past_knee else None)
+                              stop=(lambda rows: past_the_knee(rows, lc.knee_gain)) if lc.stop_past_knee else None,
+                              idle=server.wait_idle, processes=lc.generator_processes)
             for row in levels:
                 rss, dev = sampler.peak(row.get("start_time"), row.get("end_time"))
                 row["peak_rss_mb"], row["device_peak_mb"] = rss, dev

@@ -12,8 +12,10 @@ requests have finished (``max_requests``: no request is cancelled, the last ones
 
 guidellm reads token counts from the server's ``usage``; with a JSON-file dataset it loads no tokenizer, so it never
 touches the hub (HF_HUB_OFFLINE is set for it all the same). Measured here: guidellm itself uses about half a core,
-on the same machine as a CPU server it measures; each level spends a few seconds spawning its workers (not counted
-in the level's window)."""
+on the same machine as a CPU server it measures; each level spends a few seconds starting (not counted in the
+level's window). By default it spawns a worker process per stream; one worker keeps every stream in flight and
+takes a fifth less CPU (``processes``, load.generator_processes). It runs under pipeline.children's process-group
+supervisor, so its workers die with it and with the run."""
 
 from __future__ import annotations
 
@@ -22,11 +24,9 @@ import logging
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-from pipeline.children import child_options
+from pipeline.children import stop_supervised, supervised, supervised_options
 
 log = logging.getLogger(__name__)
 
@@ -120,22 +120,6 @@ def parse_guidellm(report: dict) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------------------------
 
-def wait_idle(url: str, timeout_s: float = 60.0) -> bool:
-    """Until no slot of a llama-server is processing (a level cut at its deadline leaves requests running for a
-    while); True when idle, False on timeout or an engine without ``/slots``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/slots", timeout=5) as r:
-                slots = json.loads(r.read())
-        except Exception:
-            return False
-        if not any(s.get("is_processing") for s in slots):
-            return True
-        time.sleep(0.25)
-    return False
-
-
 def level_requests(levels: list[int], min_requests: int, requests_per_stream: int) -> dict[int, int]:
     """The requests each level sends: max(min_requests, concurrency x requests_per_stream)."""
     return {c: max(min_requests, c * requests_per_stream) for c in sorted(levels)}
@@ -148,12 +132,14 @@ def prompts_needed(levels: list[int], min_requests: int, requests_per_stream: in
 
 def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_tokens: int, request_body: dict,
                  requests_per_stream: int, min_requests: int, max_seconds: float, workdir: Path,
-                 stop=None) -> list[dict]:
+                 stop=None, idle=None, processes: int | None = 1) -> list[dict]:
     """Every level in increasing order, one guidellm run each (see the module docstring); returns
     ``parse_guidellm``'s rows. ``request_body``: the engine's fields for exactly ``output_tokens`` tokens per request
     (pipeline.engines: ``Engine.request_body``). ``prompts``: at least ``prompts_needed`` of them; level after level
     takes the next ones. ``stop(rows)``, asked before each level after the first, ends the climb early (the levels
-    measured so far are returned). A level whose guidellm run fails raises with the tail of its log."""
+    measured so far are returned). ``idle()``, called before each level, returns once the server has finished
+    what an earlier level left running (the engine's ``wait_idle``). A level whose guidellm run fails raises with
+    the tail of its log. ``processes``: guidellm's worker processes (None: its default, one per stream)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     counts = level_requests(levels, min_requests, requests_per_stream)
@@ -163,6 +149,9 @@ def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_toke
     backend = json.dumps({"kind": "openai_http", "target": url, "timeout": int(max_seconds),
                           "extras": {"body": request_body}})
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env.pop("GUIDELLM__MAX_WORKER_PROCESSES", None)
+    if processes is not None:
+        env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(processes)
     rows, start = [], 0
     data = workdir / f"prompts-{os.getpid()}.jsonl"
     try:
@@ -170,7 +159,8 @@ def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_toke
             if rows and stop is not None and stop(rows):
                 log.info("load: climb ended before concurrency %d (past the knee)", c)
                 break
-            wait_idle(url)
+            if idle is not None:
+                idle()
             data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts[start:start + count]))
             start += count
             out = workdir / f"guidellm-{os.getpid()}-c{c}.json"
@@ -182,8 +172,13 @@ def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_toke
                    "--data", f"kind=json_file,path={data}", "--output", f"kind=json,path={out}",
                    "--disable-console"]
             with open(errlog, "w") as fh:
-                proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=max_seconds + 300,
-                                      **child_options())
+                # supervised: guidellm spawns a worker process per stream, and they must not outlive the run
+                proc = subprocess.Popen(supervised(cmd), stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                        **supervised_options())
+                try:
+                    proc.wait(timeout=max_seconds + 300)
+                finally:
+                    stop_supervised(proc)
             if proc.returncode != 0 or not out.is_file():
                 tail = "\n".join(errlog.read_text(errors="replace").strip().splitlines()[-8:])
                 raise RuntimeError(f"guidellm failed at concurrency {c} (exit {proc.returncode}): {' '.join(cmd)}\n"

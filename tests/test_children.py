@@ -45,3 +45,68 @@ def test_a_child_does_not_outlive_a_killed_run(sig):
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+# a command that starts a worker of its own (as guidellm spawns one per stream), prints the worker's pid, and then
+# either waits (the run is killed meanwhile) or exits at once, leaving the worker behind
+SPAWNER = """
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(worker.pid, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+SUPERVISING_PARENT = """
+import subprocess, sys, time
+from pipeline.children import supervised, supervised_options
+cmd = supervised([sys.executable, "-c", {spawner!r}, sys.argv[1]])
+proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **supervised_options())
+print(proc.stdout.readline().strip(), flush=True)
+print(proc.wait() if sys.argv[1] == "0" else time.sleep(120), flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_supervised_command_and_the_workers_it_started_die_with_a_killed_run(sig):
+    """The parent-death signal reaches only the direct child; run through the group supervisor, a command's own
+    workers die with the run too."""
+    from pipeline.config import PROJECT_ROOT
+
+    parent = subprocess.Popen([sys.executable, "-c", SUPERVISING_PARENT.format(spawner=SPAWNER), "120"],
+                              stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT,
+                              env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    worker = int(parent.stdout.readline())
+    try:
+        assert _alive(worker)
+        parent.send_signal(sig)
+        parent.wait(timeout=30)
+        deadline = time.time() + 10
+        while _alive(worker) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "a worker of the supervised command outlived its run"
+    finally:
+        if _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+        if parent.poll() is None:
+            parent.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups as on Linux")
+def test_workers_a_supervised_command_left_behind_die_when_it_ends():
+    from pipeline.config import PROJECT_ROOT
+
+    parent = subprocess.Popen([sys.executable, "-c", SUPERVISING_PARENT.format(spawner=SPAWNER), "0"],
+                              stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT,
+                              env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    worker = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline().strip() == "0"     # the command's own exit status comes through
+        parent.wait(timeout=30)
+        deadline = time.time() + 10
+        while _alive(worker) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "a worker outlived the supervised command that started it"
+    finally:
+        if _alive(worker):
+            os.kill(worker, signal.SIGKILL)

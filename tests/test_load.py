@@ -175,10 +175,30 @@ def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gg
         reply = _chat(server.url, "Confirm order PO-4471 for 12 pallets.", 8)
         assert reply["usage"]["completion_tokens"] == 8
         assert server.peak_rss_mb() > 50
+        assert server.wait_idle(timeout_s=10)          # /slots: no slot processing
     assert not server.healthy()
     assert set(pids_of(server_exe)) - before == set()
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
     assert "--cont-batching" in (tmp_path / "server.log").read_text()
+
+
+def test_an_engine_without_a_finer_signal_is_idle_once_its_process_stops_using_the_cpu(tmp_path):
+    """ServedEngine.wait_idle (transformers serve has no /slots): busy while the process burns CPU, idle soon after
+    it stops; a process that never rests times out; a process that is gone is not called idle."""
+    from pipeline.engines.server import ServedEngine
+
+    engine = ServedEngine(tmp_path / "model", settings={}, log_path=tmp_path / "log", startup_timeout_s=1)
+    busy_then_rest = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\ntime.sleep(60)"
+    for code, timeout, expected in ((busy_then_rest, 20, True), ("while True: pass", 2, False)):
+        engine.proc = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            t = time.monotonic()
+            assert engine.wait_idle(timeout_s=timeout) is expected
+            assert time.monotonic() - t >= (1.0 if expected else timeout)
+        finally:
+            engine.proc.kill()
+            engine.proc.wait()
+    assert engine.wait_idle(timeout_s=2) is False          # reaped: no process to read
 
 
 def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_nothing(server_exe, tmp_path):
@@ -235,12 +255,13 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     calls = []
 
     def generate(url, prompts, *, levels, output_tokens, request_body, requests_per_stream, min_requests, max_seconds,
-                 workdir, stop=None):
+                 workdir, stop=None, idle=None, processes=None):
         assert request_body == {"max_completion_tokens": output_tokens, "ignore_eos": True, "cache_prompt": False}
         out = []
         for c in levels:
             if out and stop and stop(out):
                 break
+            assert idle(timeout_s=30)                   # llama-server's /slots: nothing left processing
             start = time.time()
             for p in prompts[:c]:
                 reply = _chat(url, p, output_tokens)
@@ -308,13 +329,16 @@ def test_hf_variants_are_served_by_transformers_serve_and_the_int8_cache_is_skip
     from pipeline.engines.server import pids_running
     from pipeline.load import format_load, run_load
 
-    urls = []
+    urls, idle_waits = [], []
 
     def generate(url, prompts, *, levels, output_tokens, request_body, requests_per_stream, min_requests, max_seconds,
-                 workdir, stop=None):
+                 workdir, stop=None, idle=None, processes=None):
         assert "ignore_eos" not in request_body        # transformers serve answers 422 to unknown fields
         out = []
         for c in levels:
+            waited = time.monotonic()
+            assert idle(timeout_s=30)                   # no /slots: the server process's CPU time says idle
+            idle_waits.append(time.monotonic() - waited)
             start = time.time()
             for p in prompts[:c]:
                 reply = _post(url, p, request_body)
@@ -340,6 +364,7 @@ def test_hf_variants_are_served_by_transformers_serve_and_the_int8_cache_is_skip
     assert orig["status"] == "ok", orig
     assert orig["engine"] == "transformers serve" and "transformers serve 5." in orig["engine_version"]
     assert orig["rounds"] == 2 and len(set(urls)) == 2            # a fresh server per round
+    assert max(idle_waits) < 10, idle_waits                       # an idle transformers server reads as idle
     assert orig["settings"]["dtype"] == "float32" and "continuous batching" in orig["setup"]
     assert orig["depths"]["32"]["levels"]["1"]["peak_rss_mb"] > 100
     kv = result["variants"]["original+kv_int8"]
@@ -397,6 +422,31 @@ def test_transformers_serve_says_why_it_cannot_serve_a_compressed_tensors_checkp
     assert plan["settings"] == {"threads": 2, "device": "cpu", "dtype": "float32"} and plan["kv_element_bytes"] == 4
 
 
+def _fake_popen(work):
+    """subprocess.Popen as loadgen calls it, running ``work(guidellm's command)`` (which writes the report it reads
+    back) and exiting with what it returns; the command must come through the process-group supervisor."""
+    class FakePopen:
+        envs: list = []
+
+        def __init__(self, cmd, **kw):
+            assert cmd[1:3] == ["-m", "pipeline.children"], cmd
+            FakePopen.envs.append(kw.get("env") or {})
+            self.returncode = work(cmd[3:])
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+        def poll(self):
+            return self.returncode
+
+        def terminate(self):
+            pass
+
+        kill = terminate
+
+    return FakePopen
+
+
 def test_an_engine_that_does_not_fix_the_output_length_fails_the_level_loudly(tmp_path, monkeypatch):
     """A guidellm level whose requests came back with another token count than asked for raises: the engine's
     request fields did not work, and its throughput would not be comparable."""
@@ -405,15 +455,14 @@ def test_an_engine_that_does_not_fix_the_output_length_fails_the_level_loudly(tm
     report = json.loads((Path(__file__).parent / "data" / "guidellm_0.8.1_concurrent.json").read_text())
     report["benchmarks"] = report["benchmarks"][:1]
 
-    def fake_run(cmd, stdout, stderr, env, timeout, **kw):
+    def fake_run(cmd):
         out = cmd[cmd.index("--output") + 1].split("path=")[1]
         Path(out).write_text(json.dumps(report))
         assert json.loads(cmd[cmd.index("--backend") + 1])["extras"]["body"] == {"max_completion_tokens": 7}
-        return subprocess.CompletedProcess(cmd, 0)
+        return 0
 
-    monkeypatch.setattr(loadgen.subprocess, "run", fake_run)
+    monkeypatch.setattr(loadgen.subprocess, "Popen", _fake_popen(fake_run))
     monkeypatch.setattr(loadgen, "guidellm_exe", lambda: Path("/bin/true"))
-    monkeypatch.setattr(loadgen, "wait_idle", lambda url: True)
     with pytest.raises(RuntimeError, match="not the 7 asked for"):
         loadgen.run_guidellm("http://x", ["p"] * 4, levels=[1], output_tokens=7,
                              request_body={"max_completion_tokens": 7}, requests_per_stream=2, min_requests=4,
@@ -556,18 +605,18 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
 
     sent = []
 
-    def fake_run(cmd, **kw):
+    def fake_run(cmd):
         c = int(next(a for a in cmd if a.startswith("kind=concurrent")).split("streams=")[1])
         ran.append(c)
         data = next(a for a in cmd if a.startswith("kind=json_file,path=")).split("path=")[1]
         sent.append([json.loads(line)["prompt"] for line in Path(data).read_text().splitlines()])
         out = next(a for a in cmd if a.startswith("kind=json,path=")).split("path=")[1]
         Path(out).write_text(json.dumps({"c": c}))
-        return subprocess.CompletedProcess(cmd, 0)
+        return 0
 
     flat = {1: 100.0, 2: 104.0, 4: 105.0, 8: 106.0, 16: 106.0}
-    monkeypatch.setattr(loadgen.subprocess, "run", fake_run)
-    monkeypatch.setattr(loadgen, "wait_idle", lambda url: True)
+    popen = _fake_popen(fake_run)
+    monkeypatch.setattr(loadgen.subprocess, "Popen", popen)
     monkeypatch.setattr(loadgen, "guidellm_exe", lambda: Path("guidellm"))
     monkeypatch.setattr(loadgen, "parse_guidellm",
                         lambda rep: [{"concurrency": rep["c"], "completed": 4, "output_tokens_per_s": flat[rep["c"]]}])
@@ -575,10 +624,18 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
 
     prompts = [f"p{i}" for i in range(loadgen.prompts_needed([1, 2, 4, 8, 16], 4, 2))]
     assert len(prompts) == 4 + 4 + 8 + 16 + 32
+    idled = []
     got = loadgen.run_guidellm("http://x", prompts, levels=[1, 2, 4, 8, 16], output_tokens=4, request_body={},
                                requests_per_stream=2, min_requests=4, max_seconds=10, workdir=tmp_path,
-                               stop=lambda rows: past_the_knee(rows, 0.10))
+                               stop=lambda rows: past_the_knee(rows, 0.10), idle=lambda: idled.append(len(ran)))
     assert ran == [1, 2, 4] and [r["concurrency"] for r in got] == [1, 2, 4]
+    assert idled == [0, 1, 2]               # the engine was waited for before every level it ran
+    # one guidellm worker process for all streams by default (load.generator_processes); None: guidellm's own
+    assert [e.get("GUIDELLM__MAX_WORKER_PROCESSES") for e in popen.envs] == ["1"] * 3
+    popen.envs.clear()
+    loadgen.run_guidellm("http://x", prompts, levels=[1, 2], output_tokens=4, request_body={}, requests_per_stream=2,
+                         min_requests=4, max_seconds=10, workdir=tmp_path, processes=None)
+    assert [e.get("GUIDELLM__MAX_WORKER_PROCESSES") for e in popen.envs] == [None] * 2
     ran.clear()
     sent.clear()
     loadgen.run_guidellm("http://x", prompts, levels=[1, 2, 4, 8, 16], output_tokens=4, request_body={},

@@ -120,8 +120,9 @@ def test_batched_generation_agrees_with_single_sequence_and_reuses_each_slot(bui
     many = rt.generate_many([(i, p, 16) for i, p in enumerate(prompts)], [], slots=4)
     again = rt.generate_many([(i, p, 16) for i, p in enumerate(prompts)], [], slots=4)
     assert [g.ids for g in many] == [g.ids for g in again], "not deterministic"
-    same = sum(a == b for s, g in zip(single, many) for a, b in zip(s, g.ids))
-    assert same / sum(len(s) for s in single) >= 0.99
+    # each prompt prefilled in chunks of its own, as generate cuts them: the very same tokens (prompts packed
+    # across sequences in unequal counts changed some picks)
+    assert [g.ids for g in many] == single
     assert all(g.stop == "length" and len(g.ids) == 16 and len(g.decode_times_s) == 15 for g in many)
     # the next turn of slot 2 extends its own history: only the new tokens are prefilled
     follow = prompts[2] + many[2].ids + base[:5]
@@ -129,6 +130,69 @@ def test_batched_generation_agrees_with_single_sequence_and_reuses_each_slot(bui
     assert nxt.prefill_tokens == 5 + 1
     cold = rt.generate_many([(3, follow, 6)], [], slots=4)[0]      # another slot: a cold prefill
     assert cold.prefill_tokens == len(follow) and cold.ids == nxt.ids
+    rt.close()
+
+
+def test_batched_logits_are_bit_identical_to_single_sequence_decoding(built, embedded_gguf):
+    """Prompts of unequal lengths decoded together give the very logits of one-at-a-time decoding at every step:
+    each prompt is prefilled in chunks of its own. On the real embedded model (the tiny one's small matmuls do not
+    show it), prompts packed across sequences in unequal counts got other activation rounding in the quantized
+    matmuls and moved the logits by up to 1.7."""
+    import numpy as np
+
+    cfg, original, arts = built
+    rt = load_runtime(VariantConfig(name="q41", runtime="llamacpp"), embedded_gguf, cfg, n_ctx=1024)
+    base = rt.tokenize(TEXT * 8)
+    prompts = [base[7 * i:7 * i + 90 + 13 * i] for i in range(4)]
+    inner, rows = rt.choice, []
+
+    class Recorder:                      # the logits every pick was made from, in call order
+        def pick(self, logits, prompt, reply):
+            rows.append(np.array(logits, dtype=np.float32, copy=True))
+            return inner.pick(logits, prompt, reply)
+
+    rt.choice = Recorder()
+    single = []
+    for p in prompts:
+        rt.reset()
+        rows.clear()
+        ids = rt.generate(p, 10, []).ids
+        single.append((ids, list(rows)))
+    rt.reset()
+    rows.clear()
+    many = rt.generate_many([(i, p, 10) for i, p in enumerate(prompts)], [], slots=4)
+    batched = [[rows[i]] + [rows[len(prompts) + t * len(prompts) + i] for t in range(9)] for i in range(4)]
+    rt.choice = inner
+    rt.close()
+    assert [g.ids for g in many] == [ids for ids, _ in single]
+    for (_, one), together in zip(single, batched):
+        assert max(float(np.abs(a - b).max()) for a, b in zip(one, together)) == 0.0
+
+
+def test_batched_path_decoded_on_given_tokens_picks_what_their_history_implies(built):
+    """``generate_many(forced=...)`` (make bench's agreement after the same history) feeds the given tokens, not
+    its picks, and returns the pick at every position: the penalised argmax of the logits after that history."""
+    cfg, original, arts = built
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
+    base = tok(TEXT, add_special_tokens=False)["input_ids"]
+    prompts = [base[i:i + 20 + 5 * i] for i in range(3)]
+    given = [base[40 + 3 * i:52 + 3 * i] for i in range(3)]        # text the model would not pick itself
+    rt = load_runtime(VariantConfig(name="q8", runtime="llamacpp"), arts["Q8_0"].path, cfg, n_ctx=512)
+    free = [g.ids for g in rt.generate_many([(i, p, 12) for i, p in enumerate(prompts)], [], slots=3)]
+    rt.reset()
+    picks = [g.ids for g in rt.generate_many([(i, p, 12) for i, p in enumerate(prompts)], [], slots=3,
+                                             forced=given)]
+    expected = []
+    for p, g in zip(prompts, given):
+        rows = rt.logits(p + g, [len(p) - 1 + t for t in range(12)])
+        expected.append([rt.choice.pick(rows[t], p, g[:t]) for t in range(12)])
+    same = sum(a == b for e, q in zip(expected, picks) for a, b in zip(e, q))
+    assert same / 36 >= 0.9
+    assert free != expected                  # the free-running path would not have given these picks
+    with pytest.raises(ValueError, match="forced"):
+        rt.generate_many([(0, prompts[0], 12)], [], slots=3, forced=[given[0][:5]])
     rt.close()
 
 
@@ -150,6 +214,15 @@ def test_conversations_run_batched_as_they_run_one_by_one(built):
         assert [t["end"] - t["start"] for t in a["turns"]] == [t["end"] - t["start"] for t in b["turns"]]
         assert sum(x == y for x, y in zip(a["ids"], b["ids"])) / len(a["ids"]) >= 0.99
     rt.close()
+
+
+def test_first_differences_and_agreement_count_positions():
+    from pipeline.batched_bench import agreement, first_differences
+
+    single = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    batched = [[1, 2, 3, 4], [5, 0, 7, 8], [9]]
+    assert first_differences(single, batched) == [None, 1, 1]
+    assert agreement(single, batched) == pytest.approx(8 / 10)
 
 
 def test_llama_batched_bench_output_is_parsed_among_log_lines():
@@ -198,7 +271,9 @@ def test_batched_path_measured_beside_llama_batched_bench(built, kv_unified):
     assert three["tool_decode_tokens_per_s"] > 0 and three["decode_tokens_per_s"] > 0
     assert three["ratio"] == pytest.approx(three["speedup"] / three["tool_speedup"])
     assert three["agreement"] >= 0.99 and three["deterministic"]
-    assert "llama-batched-bench" in format_batched(out)
+    assert three["agreement_same_history"] >= 0.99 and out["min_agreement_same_history"] <= 1.0
+    assert len(three["first_difference"]) == 3
+    assert "llama-batched-bench" in format_batched(out) and "same history" in format_batched(out)
     assert ("one KV buffer for all sequences" in format_batched(out)) is kv_unified
     with pytest.raises(ConfigError, match="make llama-tools"):
         tool("llama-batched-bench", str(original.checkpoint))      # a folder without the tool

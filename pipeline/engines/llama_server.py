@@ -9,8 +9,11 @@ Continuous batching is llama-server's default; it is passed explicitly and recor
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 from pipeline.children import child_options
@@ -53,6 +56,22 @@ class LlamaServer(ServedEngine):
                 "-b", str(s["n_batch"]), "-ub", str(s["n_batch"]), "-fa", "on" if s["flash_attn"] else "off",
                 "-ctk", s["cache_type_k"], "-ctv", s["cache_type_v"], "-ngl", str(s["n_gpu_layers"]),
                 "--cont-batching", "-no-kvu", "-cram", "0", "--no-webui", "--metrics"]
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        """Until no slot is processing (``GET /slots``); the process's CPU time where that cannot be read."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/slots", timeout=5) as r:
+                    slots = json.loads(r.read())
+            except Exception:
+                return super().wait_idle(max(0.0, deadline - time.monotonic()))
+            if not any(s.get("is_processing") for s in slots):
+                return True
+            time.sleep(0.25)
+        log.warning("llama-server (%s) still processing after %.0f s: the next level starts anyway", self.gguf.name,
+                    timeout_s)
+        return False
 
     @classmethod
     def request_body(cls, output_tokens: int) -> dict:

@@ -24,6 +24,8 @@ from pipeline.children import child_options
 log = logging.getLogger(__name__)
 
 WARM_UP_TOKENS = 8        # the warm-up request's reply length (ServedEngine.warm_up)
+IDLE_CPU_SHARE = 0.10     # ServedEngine.wait_idle: a server using less of one core than this ...
+IDLE_WINDOW_S = 0.5       # ... over two windows in a row of this length has nothing left to do
 
 
 def free_port() -> int:
@@ -31,6 +33,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` (all its threads) has used so far; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime: fields 14, 15 of stat
 
 
 class ServerError(RuntimeError):
@@ -156,6 +167,29 @@ class ServedEngine:
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             raise ServerError(f"{self.name} did not answer its warm-up request ({self.served.name}): {exc}; its log "
                               f"({self.log_path}) ends with:\n{self.log_tail()}") from None
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        """Until the server has finished what an earlier level left running (a level cut at its deadline leaves
+        requests in flight, and an engine may go on generating for a client that has gone): here until the process
+        uses under IDLE_CPU_SHARE of a core over two IDLE_WINDOW_S windows in a row; an engine with a finer signal
+        overrides it. True when idle, False on timeout or when the process is gone."""
+        pid = self.proc.pid if self.proc is not None else None
+        last = cpu_seconds(pid) if pid is not None else None
+        if last is None:
+            return False
+        deadline, quiet = time.monotonic() + timeout_s, 0
+        while time.monotonic() < deadline:
+            time.sleep(IDLE_WINDOW_S)
+            now = cpu_seconds(pid)
+            if now is None:
+                return False
+            quiet = quiet + 1 if (now - last) < IDLE_CPU_SHARE * IDLE_WINDOW_S else 0
+            last = now
+            if quiet >= 2:
+                return True
+        log.warning("%s (%s) still busy after %.0f s: the next level starts anyway", self.name, self.served.name,
+                    timeout_s)
+        return False
 
     def healthy(self) -> bool:
         try:

@@ -94,8 +94,11 @@ class LlamaCppRuntime(FullLogitsRuntime):
 
     @classmethod
     def key_settings(cls, rcfg) -> dict:
-        # kv_unified only when on, so the stages stored before the setting existed (one stream per sequence) stay
-        return {"flash_attn": rcfg.flash_attn, **({"kv_unified": True} if rcfg.kv_unified else {})}
+        # kv_unified only when on, so the stages stored before the setting existed (one stream per sequence) stay;
+        # "prefill": generate_many prefills each sequence in chunks of its own since this was added (replies
+        # decoded batched before it came from prompts packed across sequences, which changed some picks)
+        return {"flash_attn": rcfg.flash_attn, **({"kv_unified": True} if rcfg.kv_unified else {}),
+                "prefill": "per-sequence"}
 
     @classmethod
     def cache_element_bytes(cls, info: dict, head_dim: int) -> float:
@@ -157,7 +160,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
             "device": "cuda" if use_gpu else "cpu",
             "threads": rcfg.n_threads,
             "n_ctx": self.n_ctx,
-            "n_batch": rcfg.n_batch,
+            "n_batch": self.llm.n_batch,       # llama-cpp-python clips it to n_ctx
             "flash_attn": flash,
             "kv_unified": rcfg.kv_unified,     # how generate_many lays out several sequences' cells
             "cache_type_k": options.get("cache_type_k", "f16"),
@@ -233,13 +236,20 @@ class LlamaCppRuntime(FullLogitsRuntime):
         return self._multi
 
     def generate_many(self, requests: Sequence[tuple[int, Sequence[int], int]], stop_ids: Sequence[int],
-                      slots: int = 1) -> list[Generation]:
+                      slots: int = 1, forced: Sequence[Sequence[int]] | None = None) -> list[Generation]:
         """Greedy decoding of several sequences together, as llama.cpp's batched tools do: every step is ONE
         llama_batch holding the next token of each live sequence (its own seq id and position), so the weights
-        are read once per step for all of them; prompts are prefilled in shared n_batch chunks. A slot keeps its
+        are read once per step for all of them; each prompt is prefilled in chunks of its own, as ``generate``
+        cuts them (see below). A slot keeps its
         KV cells between calls: a conversation's next turn prefills only the tokens after the common prefix.
         Batched float arithmetic may differ from single-sequence decoding in the last bits; ``make bench``
-        measures the greedy-token agreement."""
+        measures the greedy-token agreement.
+
+        ``forced`` (one token list per request, at least its budget long): decode on those tokens instead of the
+        picks (each step feeds ``forced[i][t]``, the repetition penalty's window is the forced reply) and return,
+        per position, the token the path WOULD have picked after the same history. ``make bench`` compares these
+        with single-sequence decoding's tokens: the agreement per position, free of the cascade one early
+        difference sets off in free running."""
         import time
 
         llama_cpp = load_llama_cpp()
@@ -250,7 +260,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
         per_seq = max(len(p) + n for _, p, n in requests)
         per_seq = ((per_seq + 255) // 256) * 256
         m = self._slots_context(slots, max(per_seq, getattr(self, "_multi", {}).get("per_seq_ctx", 0)))
-        ctx, batch, n_batch, cached = m["ctx"], m["batch"], m["n_batch"], m["cached"]
+        ctx, batch, cached = m["ctx"], m["batch"], m["cached"]
         raw = batch.batch
         n = len(requests)
         prompts = [[int(t) for t in p] for _, p, _ in requests]
@@ -258,6 +268,8 @@ class LlamaCppRuntime(FullLogitsRuntime):
         budgets = [r[2] for r in requests]
         if len(set(seq)) != n:
             raise ValueError("generate_many: two requests for the same slot")
+        if forced is not None and (len(forced) != n or any(len(f) < b for f, b in zip(forced, budgets))):
+            raise ValueError("generate_many: forced needs one token list per request, each as long as its budget")
         # prefix reuse per slot: keep the cells of the common prefix, at least one token left to evaluate
         todo = []
         for i in range(n):
@@ -286,24 +298,31 @@ class LlamaCppRuntime(FullLogitsRuntime):
         t0 = time.perf_counter()
         first: list[int | None] = [None] * n
         ttft = [0.0] * n
-        # prefill: every request's remaining prompt tokens, packed into n_batch chunks in request order
-        stream = [(i, k) for i in range(n) for k in range(todo[i], len(prompts[i]))]
-        for start in range(0, len(stream), n_batch):
-            part = stream[start:start + n_batch]
-            run([(prompts[i][k], k, seq[i], k == len(prompts[i]) - 1) for i, k in part])
-            for j, (i, k) in enumerate(part):
-                if k == len(prompts[i]) - 1:
-                    first[i] = pick(j, i, [])
-                    ttft[i] = time.perf_counter() - t0
+        # prefill: each request's remaining prompt tokens in chunks of its own, cut where single-sequence decoding
+        # (generate: llm.eval from the reused prefix in n_batch chunks) cuts them. Measured (make bench, Q8_0): a
+        # chunk that mixes sequences in unequal counts gives their rows other activation rounding in the quantized
+        # matmuls, and 2-3 % of the greedy picks after the same history changed, in every sequence of the batch;
+        # with chunks of their own the batched path's logits were bit-identical to single-sequence decoding's.
+        chunk = self.llm.n_batch
+        for i in range(n):
+            if todo[i] >= len(prompts[i]):
+                raise ValueError(f"generate_many: request {i} has no prompt token left to evaluate")
+            for start in range(todo[i], len(prompts[i]), chunk):
+                part = range(start, min(start + chunk, len(prompts[i])))
+                run([(prompts[i][k], k, seq[i], k == len(prompts[i]) - 1) for k in part])
+            first[i] = pick(len(part) - 1, i, [])
+            ttft[i] = time.perf_counter() - t0
 
         def step(live: list[int], ids: list[list[int]]) -> list[int]:
-            run([(ids[i][-1], len(prompts[i]) + len(ids[i]) - 1, seq[i], True) for i in live])
-            return [pick(j, i, ids[i]) for j, i in enumerate(live)]
+            fed = ids if forced is None else [[int(t) for t in f[:len(r)]] for f, r in zip(forced, ids)]
+            run([(fed[i][-1], len(prompts[i]) + len(ids[i]) - 1, seq[i], True) for i in live])
+            return [pick(j, i, fed[i]) for j, i in enumerate(live)]
 
         ids, stop, times = greedy_decode_many(first, step, budgets, stop_ids)
         out = []
         for i in range(n):
-            cached[seq[i]] = prompts[i] + ids[i][:len(times[i])]      # the tokens whose cells exist
+            fed_i = ids[i] if forced is None else [int(t) for t in forced[i][:len(ids[i])]]
+            cached[seq[i]] = prompts[i] + fed_i[:len(times[i])]      # the tokens whose cells exist
             out.append(Generation(ids=ids[i], stop=stop[i], prompt_tokens=len(prompts[i]),
                                   prefill_tokens=len(prompts[i]) - todo[i], ttft_s=ttft[i], decode_times_s=times[i]))
         return out
