@@ -66,25 +66,34 @@ print(proc.wait() if sys.argv[1] == "0" else time.sleep(120), flush=True)
 """
 
 
+def _supervising_parent(wait: str) -> tuple[subprocess.Popen, int]:
+    """A run that starts SPAWNER supervised (``wait``: its seconds to live) and reports the spawned worker's pid."""
+    from pipeline.config import PROJECT_ROOT
+
+    parent = subprocess.Popen([sys.executable, "-c", SUPERVISING_PARENT.format(spawner=SPAWNER), wait],
+                              stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT,
+                              env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    return parent, int(parent.stdout.readline())
+
+
+def _gone_soon(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.time() + within_s
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_supervised_command_and_the_workers_it_started_die_with_a_killed_run(sig):
     """The parent-death signal reaches only the direct child; run through the group supervisor, a command's own
     workers die with the run too."""
-    from pipeline.config import PROJECT_ROOT
-
-    parent = subprocess.Popen([sys.executable, "-c", SUPERVISING_PARENT.format(spawner=SPAWNER), "120"],
-                              stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT,
-                              env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
-    worker = int(parent.stdout.readline())
+    parent, worker = _supervising_parent("120")
     try:
         assert _alive(worker)
         parent.send_signal(sig)
         parent.wait(timeout=30)
-        deadline = time.time() + 10
-        while _alive(worker) and time.time() < deadline:
-            time.sleep(0.1)
-        assert not _alive(worker), "a worker of the supervised command outlived its run"
+        assert _gone_soon(worker), "a worker of the supervised command outlived its run"
     finally:
         if _alive(worker):
             os.kill(worker, signal.SIGKILL)
@@ -94,19 +103,11 @@ def test_a_supervised_command_and_the_workers_it_started_die_with_a_killed_run(s
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups as on Linux")
 def test_workers_a_supervised_command_left_behind_die_when_it_ends():
-    from pipeline.config import PROJECT_ROOT
-
-    parent = subprocess.Popen([sys.executable, "-c", SUPERVISING_PARENT.format(spawner=SPAWNER), "0"],
-                              stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT,
-                              env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
-    worker = int(parent.stdout.readline())
+    parent, worker = _supervising_parent("0")
     try:
         assert parent.stdout.readline().strip() == "0"     # the command's own exit status comes through
         parent.wait(timeout=30)
-        deadline = time.time() + 10
-        while _alive(worker) and time.time() < deadline:
-            time.sleep(0.1)
-        assert not _alive(worker), "a worker outlived the supervised command that started it"
+        assert _gone_soon(worker), "a worker outlived the supervised command that started it"
     finally:
         if _alive(worker):
             os.kill(worker, signal.SIGKILL)
