@@ -191,7 +191,8 @@ def format_batched(out: dict) -> str:
              f"  single-sequence path (generate): {out['single_decode_tokens_per_s']:.1f} tok/s decode",
              f"{'  sequences':<13}{'ours tok/s':>11}{'speed-up':>10}{'llama-batched-bench':>21}{'speed-up':>10}"
              f"{'ratio':>8}{'same tokens: free running':>27}{'same history':>14}{'same twice':>12}"]
-    for n, r in out["sequences"].items():
+    # bench.json stores the counts as string keys, which a JSON round trip may sort as strings ("16" before "4")
+    for n, r in sorted(out["sequences"].items(), key=lambda kv: int(kv[0])):
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         tool_up = "-" if r["tool_speedup"] is None else f"{r['tool_speedup']:.2f}x"
         firsts = r.get("first_difference")

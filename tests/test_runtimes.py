@@ -225,6 +225,23 @@ def test_first_differences_and_agreement_count_positions():
     assert agreement(single, batched) == pytest.approx(8 / 10)
 
 
+def test_batched_table_lists_sequence_counts_in_numeric_order_after_a_json_round_trip():
+    import json
+
+    from pipeline.batched_bench import format_batched
+
+    row = {"ratio": 1.0, "tool_speedup": 1.0, "agreement": 1.0, "agreement_same_history": 1.0, "speedup": 1.0,
+           "decode_tokens_per_s": 100.0, "tool_decode_tokens_per_s": 100.0, "deterministic": True}
+    out = {"variant": "q8", "file": "m.gguf", "threads": 2, "n_batch": 512, "flash_attn": True, "prompt_tokens": 8,
+           "gen_tokens": 8, "rounds": 1, "single_decode_tokens_per_s": 100.0, "min_ratio": 0.9,
+           "meets_min_ratio": True, "min_agreement": 1.0, "min_agreement_same_history": 1.0,
+           "sequences": {str(n): row for n in (1, 4, 8, 16)}}
+    stored = json.loads(json.dumps(out, sort_keys=True))
+    assert list(stored["sequences"]) == ["1", "16", "4", "8"]
+    counts = [line.split()[0] for line in format_batched(stored).splitlines()[3:-1]]
+    assert counts == ["1", "4", "8", "16"]
+
+
 def test_llama_batched_bench_output_is_parsed_among_log_lines():
     from pipeline.batched_bench import parse_batched_bench
 
