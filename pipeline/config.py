@@ -472,10 +472,7 @@ class LoadConfig:
     def __post_init__(self) -> None:
         from pipeline.engines import ENGINES
 
-        _require(self.generator_processes is None or (isinstance(self.generator_processes, int)
-                                                      and not isinstance(self.generator_processes, bool)
-                                                      and self.generator_processes >= 1),
-                 "load.generator_processes", self.generator_processes, "null or a positive integer")
+        _positive_int("load.generator_processes", self.generator_processes, allow_none=True)
 
         _require(isinstance(self.runtimes, list) and self.runtimes and all(r in ENGINES for r in self.runtimes),
                  "load.runtimes", self.runtimes,

@@ -270,6 +270,8 @@ class LlamaCppRuntime(FullLogitsRuntime):
             raise ValueError("generate_many: two requests for the same slot")
         if forced is not None and (len(forced) != n or any(len(f) < b for f, b in zip(forced, budgets))):
             raise ValueError("generate_many: forced needs one token list per request, each as long as its budget")
+        if forced is not None:
+            forced = [[int(t) for t in f] for f in forced]
         # prefix reuse per slot: keep the cells of the common prefix, at least one token left to evaluate
         todo = []
         for i in range(n):
@@ -314,14 +316,14 @@ class LlamaCppRuntime(FullLogitsRuntime):
             ttft[i] = time.perf_counter() - t0
 
         def step(live: list[int], ids: list[list[int]]) -> list[int]:
-            fed = ids if forced is None else [[int(t) for t in f[:len(r)]] for f, r in zip(forced, ids)]
+            fed = ids if forced is None else [f[:len(r)] for f, r in zip(forced, ids)]
             run([(fed[i][-1], len(prompts[i]) + len(ids[i]) - 1, seq[i], True) for i in live])
             return [pick(j, i, fed[i]) for j, i in enumerate(live)]
 
         ids, stop, times = greedy_decode_many(first, step, budgets, stop_ids)
         out = []
         for i in range(n):
-            fed_i = ids[i] if forced is None else [int(t) for t in forced[i][:len(ids[i])]]
+            fed_i = ids[i] if forced is None else forced[i][:len(ids[i])]
             cached[seq[i]] = prompts[i] + fed_i[:len(times[i])]      # the tokens whose cells exist
             out.append(Generation(ids=ids[i], stop=stop[i], prompt_tokens=len(prompts[i]),
                                   prefill_tokens=len(prompts[i]) - todo[i], ttft_s=ttft[i], decode_times_s=times[i]))
