@@ -19,7 +19,7 @@ CHECK_TYPES = ("contains", "not_contains", "regex", "number", "json", "echo", "j
 # small model manages at a useful rate: echo, JSON syntax, length, language, no loops, requested sections and
 # formats). Reports may show them apart.
 GRADES = ("hard", "graded")
-LENGTH_UNITS = ("words", "lines", "bullets")
+LENGTH_UNITS = ("words", "lines", "bullets", "sentences")
 FORMAT_KINDS = ("table", "json_only", "greeting")
 SECTIONS_PLAIN_MAX_WORDS = 6  # sections: a bare line (no #, bold or colon) is a heading only when this short
 SECTIONS_LABEL_MAX_WORDS = 8  # sections: the text before a colon is a heading label only when this short
@@ -30,7 +30,7 @@ LANGUAGE_MIN_WORDS = 8        # language: fewer words than this have no language
 LANGUAGE_MIN_SHARE = 0.15     # language: least share of function words of the detected language
 MAX_TURNS = 8
 _RECORD_KEYS = {"id", "category", "system", "turns", "meta"}
-_TURN_KEYS = {"user", "max_new_tokens", "checks"}
+_TURN_KEYS = {"user", "max_new_tokens", "min_new_tokens", "checks"}
 _REGEX_FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL, "x": re.VERBOSE}
 
 
@@ -39,6 +39,9 @@ class Turn:
     user: str
     max_new_tokens: int | None = None
     checks: list[dict] = field(default_factory=list)
+    # The fewest tokens a correct reply needs to reach what its checks look for (a JSON object, a fact in the last
+    # requested section): a profile's cap never cuts the budget below it, so no check is failed by the cap alone.
+    min_new_tokens: int | None = None
 
 
 @dataclass
@@ -200,11 +203,17 @@ def parse_record(path: Path, line: int, raw: Any, suite: str) -> Conversation:
         budget = t.get("max_new_tokens")
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= 4096):
             _fail(path, line, f"{where}.max_new_tokens", f"expected an integer in 1..4096, got {budget!r}")
+        floor = t.get("min_new_tokens")
+        if floor is not None and (not isinstance(floor, int) or isinstance(floor, bool) or not 1 <= floor <= 4096):
+            _fail(path, line, f"{where}.min_new_tokens", f"expected an integer in 1..4096, got {floor!r}")
+        if floor is not None and budget is not None and floor > budget:
+            _fail(path, line, f"{where}.min_new_tokens", f"expected at most the turn's max_new_tokens ({budget}), "
+                  f"got {floor}")
         checks = t.get("checks", [])
         if not isinstance(checks, list):
             _fail(path, line, f"{where}.checks", "expected a list")
         checks = [_validate_check(path, line, f"{where}.checks[{j}]", c, t["user"]) for j, c in enumerate(checks)]
-        turns.append(Turn(user=t["user"], max_new_tokens=budget, checks=checks))
+        turns.append(Turn(user=t["user"], max_new_tokens=budget, checks=checks, min_new_tokens=floor))
     return Conversation(id=cid, suite=suite, turns=turns, system=system, category=str(raw.get("category", "")),
                         meta=meta)
 
@@ -254,7 +263,8 @@ def _cross_check_with_datasets(path: Path, n: int) -> None:
 
 def select(convs: list[Conversation], max_conversations: int | None, max_new_tokens_cap: int | None,
            default_max_new_tokens: int = 512) -> list[Conversation]:
-    """Apply a profile: the first N conversations, each turn's budget capped."""
+    """Apply a profile: the first N conversations, each turn's budget capped, never below the turn's own
+    ``min_new_tokens`` (what a correct reply needs to reach its checks)."""
     chosen = convs[:max_conversations] if max_conversations else list(convs)
     out = []
     for c in chosen:
@@ -262,8 +272,8 @@ def select(convs: list[Conversation], max_conversations: int | None, max_new_tok
         for t in c.turns:
             budget = t.max_new_tokens or default_max_new_tokens
             if max_new_tokens_cap:
-                budget = min(budget, max_new_tokens_cap)
-            turns.append(Turn(user=t.user, max_new_tokens=budget, checks=t.checks))
+                budget = max(min(budget, max_new_tokens_cap), min(t.min_new_tokens or 0, budget))
+            turns.append(Turn(user=t.user, max_new_tokens=budget, checks=t.checks, min_new_tokens=t.min_new_tokens))
         out.append(Conversation(id=c.id, suite=c.suite, turns=turns, system=c.system, category=c.category,
                                 meta=c.meta))
     return out
@@ -275,7 +285,7 @@ def select(convs: list[Conversation], max_conversations: int | None, max_new_tok
 # "249.50" of "x1,249.50"), or right after an ISO currency code written without a space ("EUR1,249.50").
 _CURRENCY_CODES = "EUR USD GBP CAD AUD NZD CHF JPY CNY INR SEK NOK DKK PLN CZK HUF ZAR SGD HKD MXN BRL AED".split()
 _NUMBER = re.compile(r"(?:(?<![\w.])(?<!\d,)|" + "|".join(f"(?<=(?<![A-Za-z]){c})" for c in _CURRENCY_CODES) + ")"
-                     r"[-+]?[$€£¥]?\s?\d[\d,]*(?:\.\d+)?")
+                     r"(?:[-+](?=[$€£¥]?\d))?[$€£¥]?\s?\d[\d,]*(?:\.\d+)?")
 
 
 def numbers_in(text: str) -> list[float]:
@@ -338,7 +348,7 @@ def run_check(check: dict, reply: str) -> bool:
         return jsonschema.Draft202012Validator(check["schema"]).is_valid(obj)
     if ctype == "echo":
         values = [check["value"]] if "value" in check else check["values"]
-        found = sum(literal_in(v, reply, check.get("case_sensitive", False)) for v in values)
+        found = sum(echoed(v, reply, check.get("case_sensitive", False)) for v in values)
         return found >= check.get("min", len(values))
     if ctype == "json_valid":
         return bool(first_json_object(reply))
@@ -402,15 +412,45 @@ def literal_in(value: str, text: str, case_sensitive: bool = False) -> bool:
     return re.search(pattern, text, 0 if case_sensitive else re.IGNORECASE) is not None
 
 
+_TRAILING_ZEROS = re.compile(r"^([$€£¥]?\d[\d,]*)\.(\d*?)0+$")
+
+
+def echoed(value: str, text: str, case_sensitive: bool = False) -> bool:
+    """An echo check's value in the reply: as written (``literal_in``), or, for an amount written with trailing
+    zero decimals ("94.00", "$1,250.50"), the same amount with fewer of them ("94", "94.0", "$1,250.5") where it does
+    not go on as a longer number ("94.5", "940" and "94,000" are not "94.00")."""
+    if literal_in(value, text, case_sensitive):
+        return True
+    m = _TRAILING_ZEROS.match(value.strip())
+    if not m:
+        return False
+    whole, digits = m.groups()
+    body = re.escape(f"{whole}.{digits}") + "0*" if digits else re.escape(whole) + r"(?:\.0+)?"
+    pattern = (r"(?<![^\W_])" if whole[0].isalnum() else "") + body + r"(?![^\W_])(?![.,]\d)"
+    return re.search(pattern, text, 0 if case_sensitive else re.IGNORECASE) is not None
+
+
+_SENTENCE_END = re.compile(r"[.!?]+(?=[\"')\]]*(?:\s|$))")
+_LIST_MARK = re.compile(r"^\s*(?:[-*+\u2022]|\d{1,2}[.)])\s+", re.M)
+
+
 def count_units(text: str, unit: str) -> int:
     """words: whitespace-separated tokens holding a letter or digit; lines: non-blank lines; bullets: lines that
-    start with -, *, +, \u2022 or a list number ("1." / "1)")."""
+    start with -, *, +, \u2022 or a list number ("1." / "1)"); sentences: runs ending in ".", "!" or "?" before a
+    space or the end (a list number such as "1." and a decimal such as "2.5" end none), plus an unterminated last
+    run holding a letter or digit."""
     if unit == "words":
         return sum(1 for w in text.split() if re.search(r"[^\W_]", w))
     if unit == "lines":
         return sum(1 for ln in text.splitlines() if ln.strip())
     if unit == "bullets":
         return sum(1 for ln in text.splitlines() if _BULLET.match(ln))
+    if unit == "sentences":
+        body = _LIST_MARK.sub("", text).strip()
+        if not body:
+            return 0
+        tail = _SENTENCE_END.split(body)[-1]
+        return len(_SENTENCE_END.findall(body)) + (1 if re.search(r"[^\W_]", tail) else 0)
     raise ValueError(f"unknown length unit {unit!r}")
 
 

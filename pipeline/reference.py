@@ -268,7 +268,7 @@ def build_reference(cfg: Config, original: Original, renderer: ChatRenderer, sui
                 arrays[f"{tr['id']}|{k}"] = np.asarray(s[k], dtype=np.float32)
         write_jsonl(tmp / "transcripts.jsonl", transcripts)
         with open(tmp / "scores.npz", "wb") as fh:
-            np.savez_compressed(fh, **arrays)
+            np.savez(fh, **arrays)      # uncompressed: float32 log-probs hardly compress, and zlib took ~12 s a run
         return {"producer": producer["name"], "conversations": len(transcripts)}
 
     manifest = run_stage(f"reference:{suite}", out_dir, key, build, force=cfg.force)
@@ -334,7 +334,7 @@ def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteRef
                 arrays[f"{tr['id']}|lp"] = np.load(rows_file(tr["id"]))
                 kept += len(idx)
         with open(tmp / "rows.npz", "wb") as fh:
-            np.savez_compressed(fh, **arrays)
+            np.savez(fh, **arrays)      # uncompressed: float32 log-probs hardly compress, and zlib took ~12 s a run
         return {"rows": kept, "positions": total, "bytes": (tmp / "rows.npz").stat().st_size}
 
     manifest = run_stage(f"reference:{ref.suite}:exact_rows", out_dir, key, build, force=cfg.force)

@@ -138,6 +138,9 @@ GOOD = {"id": "a", "turns": [{"user": "Order 4471 please", "checks": [{"type": "
     (json.dumps({"id": "a", "turns": [{"user": "x", "checks": [{"type": "regex", "pattern": "("}]}]}),
      "turns[0].checks[0].pattern"),
     (json.dumps({"id": "a", "turns": [{"user": "x", "max_new_tokens": 0}]}), "turns[0].max_new_tokens"),
+    (json.dumps({"id": "a", "turns": [{"user": "x", "min_new_tokens": 0}]}), "turns[0].min_new_tokens"),
+    (json.dumps({"id": "a", "turns": [{"user": "x", "max_new_tokens": 96, "min_new_tokens": 128}]}),
+     "field 'turns[0].min_new_tokens': expected at most the turn's max_new_tokens (96), got 128"),
     (json.dumps({"id": "a", "turns": [{"user": "x"}] * 9}), "1..8 turns"),
 ])
 def test_malformed_records_fail_with_file_line_and_field(tmp_path, record, where):
@@ -214,7 +217,18 @@ def test_duplicate_ids_and_empty_suites_are_errors(tmp_path):
 def test_profile_selection_caps_budgets():
     convs = load_suite("multi_turn", PROJECT_ROOT / "prompts" / "multi_turn.jsonl")
     chosen = select(convs, 2, 50)
-    assert len(chosen) == 2 and all(t.max_new_tokens <= 50 for c in chosen for t in c.turns)
+    assert len(chosen) == 2 and all(t.max_new_tokens <= max(50, t.min_new_tokens or 0) for c in chosen for t in c.turns)
+    assert any(t.min_new_tokens for c in chosen for t in c.turns)      # the shipped suite has a floor among these
+
+
+def test_a_cap_never_cuts_a_turn_below_what_its_checks_need(tmp_path):
+    turns = [{"user": "Give the dispute as JSON.", "max_new_tokens": 256, "min_new_tokens": 192},
+             {"user": "And in one line?", "max_new_tokens": 64},
+             {"user": "Now the full letter.", "min_new_tokens": 600}]
+    conv, = load_suite("custom", _write(tmp_path, [json.dumps({"id": "a", "turns": turns})]))
+    assert [t.max_new_tokens for t in select([conv], 1, 96)[0].turns] == [192, 64, 512]   # 512: the default budget
+    assert [t.max_new_tokens for t in select([conv], 1, 300)[0].turns] == [256, 64, 512]
+    assert [t.max_new_tokens for t in select([conv], 1, None)[0].turns] == [256, 64, 512]
 
 
 def test_checks():
@@ -233,6 +247,8 @@ def test_checks():
     # a currency code written without a space is read; a number never starts inside a digit group
     assert numbers_in("EUR1,249.50, GBP9,430 and USD 88,000") == [1249.5, 9430.0, 88000.0]
     assert numbers_in("INV2024 x1,249.50 AP-558213") == [558213.0]
+    # a sign belongs to a number only when written against it: "a - 700" subtracts 700, it does not state -700
+    assert numbers_in("Q3 actual - 1,250,000 = 87.6%; change -4.5% or +$120") == [1250000.0, 87.6, -4.5, 120.0]
     assert run_check({"type": "number", "value": 1249.5, "tolerance": 0.01}, "total EUR1,249.50")
     assert not run_check({"type": "number", "value": 249.5, "tolerance": 0.01}, "total x1,249.50")
 
@@ -286,6 +302,12 @@ def test_echo():
     assert run_check({"type": "echo", "values": ["AP-558213", "Denver"]}, reply)          # min defaults to all
     assert not run_check({"type": "echo", "values": ["AP-558213", "Boulder"]}, reply)
     assert literal_in("14:38", "at 14:38, the rollback") and not literal_in("4:38", "at 14:38")
+    # an amount with trailing zero decimals is the same amount without them, never a longer or other number
+    for same in ("the static IP block (€94) is", "€94.0 for the block", "94 EUR", "$1,250.5 due"):
+        assert run_check({"type": "echo", "values": ["94.00", "$1,250.50"], "min": 1}, same), same
+    for other in ("€94.5 for the block", "€940", "94,000 EUR", "€9.40", "$1,250.55", "$1,25"):
+        assert not run_check({"type": "echo", "values": ["94.00", "$1,250.50"], "min": 1}, other), other
+    assert not run_check({"type": "echo", "value": "AP-100"}, "order AP-1 shipped")        # not an amount
 
 
 def test_json_valid():
@@ -319,6 +341,14 @@ def test_length():
     assert not run_check(words, GOOD_EMAIL * 2)                                            # too long
     assert not run_check(words, "Dear Mirela, the quote is EUR 21,880.")                   # stopped early
     assert run_check({"type": "length", "unit": "lines", "max": 2}, "AP-558213, Denver.")
+    assert count_units("INC-4471: reset done. The user (Gemma) confirmed at 14:05! Closing", "sentences") == 3
+    assert count_units("Total is 2.5% above plan. Refund $1,249.50 today.", "sentences") == 2
+    assert count_units("1. Reset the password.\n2. Revoke sessions.\n- Close it", "sentences") == 3
+    assert count_units("  \n- ", "sentences") == 0
+    two_or_three = {"type": "length", "unit": "sentences", "min": 2, "max": 3}
+    assert run_check(two_or_three, "INC-4471 resolved. Password reset and sessions revoked.")
+    assert not run_check(two_or_three, "INC-4471 resolved. Reset done. Sessions revoked. User told.")  # four
+    assert not run_check(two_or_three, "INC-4471 resolved")
 
 
 def test_language():
