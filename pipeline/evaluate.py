@@ -122,15 +122,43 @@ def exact_sample(ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> tuple[dic
     return tr, idx
 
 
-def kld_exactness(variant_rt, original_rt, ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> dict:
+def exact_sample_logprobs(cfg: Config, original: Original, ref: SuiteReference,
+                          n: int = EXACT_SAMPLE_TOKENS) -> np.ndarray:
+    """The original's whole log-softmax (transformers, float64) at ``exact_sample(ref, n)``'s positions: the same
+    for every variant, so a stage of its own beside the reference, computed once per run and suite instead of once
+    per variant (a transformers load and a pass over the suite's longest transcript, ~12 s a variant here)."""
+    from pipeline.config import VariantConfig
+
+    out_dir = cfg.model_dir / "reference" / cfg.run.name / f"{ref.suite}-exact_sample"
+    key = {"reference": ref.hash, "original": original.hash, "tokens": n, "dtype": "float64"}
+
+    def build(tmp: Path) -> dict:
+        tr, idx = exact_sample(ref, n)
+        hf = load_runtime(VariantConfig(name="original"), original.checkpoint, cfg)
+        try:
+            lp = hf.logprobs(tr["ids"], ref.scores[tr["id"]]["pos"][idx].tolist())
+        finally:
+            hf.close()
+        np.save(tmp / "logprobs.npy", np.asarray(lp, dtype=np.float64))
+        return {"sample": f"{ref.suite}/{tr['id']}", "tokens": int(len(idx))}
+
+    run_stage(f"reference:{ref.suite}:exact_sample", out_dir, key, build, force=cfg.force)
+    return np.load(out_dir / "logprobs.npy")
+
+
+def kld_exactness(variant_rt, original, ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> dict:
     """The stored KLD as ``teacher_forced`` computes it (the original's top-K + one tail bucket, exact at the
     reference's exact rows) against the exact full-vocabulary KLD on a sample of reference positions: both from
     the same full distributions of the original (transformers) and of the variant (its own runtime), so the ratio
-    is the stored figure's own error. ``ratio_topk_only``: the same without the exact rows."""
+    is the stored figure's own error. ``ratio_topk_only``: the same without the exact rows. ``original``: the
+    original's runtime, or its log-probs at the sample already (``exact_sample_logprobs``)."""
     tr, idx = exact_sample(ref, n)
     s = ref.scores[tr["id"]]
     pos = s["pos"][idx]
-    lp_ref = original_rt.logprobs(tr["ids"], pos.tolist())
+    lp_ref = original if isinstance(original, np.ndarray) else original.logprobs(tr["ids"], pos.tolist())
+    if lp_ref.shape[0] != len(idx):
+        raise ValueError(f"kld_exactness: {lp_ref.shape[0]} rows of the original's log-probs for a sample of "
+                         f"{len(idx)} positions ({ref.suite}/{tr['id']})")
     lp_var = variant_rt.logprobs(tr["ids"], pos.tolist())
     exact = metrics.kld_full(lp_ref, lp_var)
     ids = s["topk_ids"][idx].astype(np.int64)
@@ -319,13 +347,8 @@ def score_variant(cfg: Config, original: Original, renderer: ChatRenderer, artif
                 info = rt.info
                 for s in need_tf:
                     tf_journal.add(s, teacher_forced(rt, refs[s], cfg.reference.top_k))
-                if need_ex:
-                    hf = load_runtime(plain_original, original.checkpoint, cfg)
-                    try:
-                        for s in need_ex:
-                            ex_journal.add(s, kld_exactness(rt, hf, refs[s]))
-                    finally:
-                        hf.close()
+                for s in need_ex:
+                    ex_journal.add(s, kld_exactness(rt, exact_sample_logprobs(cfg, original, refs[s]), refs[s]))
             finally:
                 rt.close()
         tf_all = {s: tf_journal.get(s) for s in refs}

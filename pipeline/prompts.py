@@ -6,12 +6,15 @@ Every line is validated before use, so a malformed record fails with the file, t
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 CHECK_TYPES = ("contains", "not_contains", "regex", "number", "json", "echo", "json_valid", "length", "language",
                "no_loop", "sections", "format")
@@ -78,6 +81,8 @@ def _validate_check(path: Path, line: int, where: str, check: Any, user: str | N
         _fail(path, line, f"{where}.name", "expected a non-empty string or absent")
     if "grade" in check and check["grade"] not in GRADES:
         _fail(path, line, f"{where}.grade", f"expected one of {', '.join(GRADES)}, got {check['grade']!r}")
+    if "needs_tokens" in check and not (_is_int(check["needs_tokens"]) and 1 <= check["needs_tokens"] <= 4096):
+        _fail(path, line, f"{where}.needs_tokens", f"expected an integer in 1..4096, got {check['needs_tokens']!r}")
     if ctype in ("contains", "not_contains"):
         if not isinstance(check.get("value"), str) or not check["value"]:
             _fail(path, line, f"{where}.value", "expected a non-empty string")
@@ -264,7 +269,9 @@ def _cross_check_with_datasets(path: Path, n: int) -> None:
 def select(convs: list[Conversation], max_conversations: int | None, max_new_tokens_cap: int | None,
            default_max_new_tokens: int = 512) -> list[Conversation]:
     """Apply a profile: the first N conversations, each turn's budget capped, never below the turn's own
-    ``min_new_tokens`` (what a correct reply needs to reach its checks)."""
+    ``min_new_tokens`` (what a correct reply needs to reach its checks). A check whose ``needs_tokens`` (how far
+    into a correct reply what it looks for comes) lies beyond the capped budget is not scored under this profile:
+    no reply could pass it, so it would only lower every variant's pass rate alike."""
     chosen = convs[:max_conversations] if max_conversations else list(convs)
     out = []
     for c in chosen:
@@ -273,7 +280,12 @@ def select(convs: list[Conversation], max_conversations: int | None, max_new_tok
             budget = t.max_new_tokens or default_max_new_tokens
             if max_new_tokens_cap:
                 budget = max(min(budget, max_new_tokens_cap), min(t.min_new_tokens or 0, budget))
-            turns.append(Turn(user=t.user, max_new_tokens=budget, checks=t.checks, min_new_tokens=t.min_new_tokens))
+            checks = [ch for ch in t.checks if ch.get("needs_tokens", 0) <= budget]
+            if len(checks) < len(t.checks):
+                log.info("%s: %d check(s) need more than this profile's %d-token budget and are not scored: %s", c.id,
+                         len(t.checks) - len(checks), budget,
+                         ", ".join(check_label(ch, i) for i, ch in enumerate(t.checks) if ch not in checks))
+            turns.append(Turn(user=t.user, max_new_tokens=budget, checks=checks, min_new_tokens=t.min_new_tokens))
         out.append(Conversation(id=c.id, suite=c.suite, turns=turns, system=c.system, category=c.category,
                                 meta=c.meta))
     return out

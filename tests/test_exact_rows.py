@@ -79,3 +79,20 @@ def test_the_exactness_sample_reports_the_stored_figure_as_scored_and_the_top_k_
     assert abs(e["ratio"] - 1) < 0.02 < abs(e["ratio_topk_only"] - 1)
     plain = kld_exactness(variant, original, _reference(p_logits, None), n=N)
     assert plain["exact_rows"] == 0 and plain["ratio"] == plain["ratio_topk_only"]
+
+
+def test_the_exactness_sample_from_the_originals_stored_log_probs_is_the_same_figure():
+    """Every variant reads the original's log-probs at the sample from one stored array (exact_sample_logprobs)
+    instead of running the original again: the figure must not change, and rows for another sample are refused."""
+    import pytest
+
+    from pipeline.evaluate import exact_sample
+
+    p_logits, q_logits = _models()
+    original, variant = FixedLogits(p_logits), FixedLogits(q_logits)
+    ref = _reference(p_logits, 0.01)
+    tr, idx = exact_sample(ref, N)
+    stored = original.logprobs(tr["ids"], ref.scores[tr["id"]]["pos"][idx].tolist())
+    assert kld_exactness(variant, stored, ref, n=N) == kld_exactness(variant, original, ref, n=N)
+    with pytest.raises(ValueError, match="rows of the original's log-probs for a sample of"):
+        kld_exactness(variant, stored[:-1], ref, n=N)

@@ -182,6 +182,8 @@ def _one_check(check, user="Order AP-558213 for Priya, total $1,249.50. Reply in
      "field 'turns[0].checks[0].min': expected an integer in 1..1"),
     ({"type": "format"}, "field 'turns[0].checks[0].kind': expected one of table, json_only, greeting"),
     ({"type": "format", "kind": "bullets"}, "field 'turns[0].checks[0].kind'"),
+    ({"type": "contains", "value": "x", "needs_tokens": 0}, "field 'turns[0].checks[0].needs_tokens': expected an integer"),
+    ({"type": "contains", "value": "x", "needs_tokens": "late"}, "field 'turns[0].checks[0].needs_tokens'"),
 ])
 def test_malformed_new_checks_fail_with_file_line_and_field(tmp_path, check, where):
     path = _write(tmp_path, [json.dumps(GOOD), _one_check(check).replace('"a"', '"b"', 1)])
@@ -229,6 +231,22 @@ def test_a_cap_never_cuts_a_turn_below_what_its_checks_need(tmp_path):
     assert [t.max_new_tokens for t in select([conv], 1, 96)[0].turns] == [192, 64, 512]   # 512: the default budget
     assert [t.max_new_tokens for t in select([conv], 1, 300)[0].turns] == [256, 64, 512]
     assert [t.max_new_tokens for t in select([conv], 1, None)[0].turns] == [256, 64, 512]
+
+
+def test_a_check_beyond_the_capped_budget_is_not_scored(tmp_path, caplog):
+    late = {"type": "contains", "value": "Priyanka", "name": "action item owner", "needs_tokens": 900}
+    early = {"type": "contains", "value": "INC-4471", "name": "incident id"}
+    record = {"id": "pm", "turns": [{"user": "Write the postmortem of INC-4471.", "max_new_tokens": 1024,
+                                     "checks": [early, late]}]}
+    conv, = load_suite("custom", _write(tmp_path, [json.dumps(record)]))
+    with caplog.at_level("INFO", logger="pipeline.prompts"):
+        assert select([conv], 1, 512)[0].turns[0].checks == [early]
+    assert "pm: 1 check(s) need more than this profile's 512-token budget and are not scored: action item owner" \
+        in caplog.text
+    assert select([conv], 1, 900)[0].turns[0].checks == [early, late]
+    assert select([conv], 1, None)[0].turns[0].checks == [early, late]
+    shipped = load_suite("long_output", PROJECT_ROOT / "prompts" / "long_output.jsonl")
+    assert any(c.get("needs_tokens") for conv in shipped for t in conv.turns for c in t.checks)
 
 
 def test_checks():
