@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pipeline.aggregate import sequences_that_fit
 from pipeline.errors import ConfigError, Skip
+from pipeline.loadgen import UNSTOPPABLE_LEVELS
 from pipeline.memory import status_mb
 from pipeline.probe import OtherCpu
 from pipeline.stats import median_interval
@@ -364,7 +365,8 @@ def serve_trial(plan: dict, depths: list[int], prompts: dict, lc, gpu: bool, gen
                               requests_per_stream=lc.requests_per_stream, min_requests=lc.min_requests,
                               max_seconds=lc.max_seconds_per_level, workdir=log_path.parent,
                               stop=(lambda rows: past_the_knee(rows, lc.knee_gain)) if lc.stop_past_knee else None,
-                              idle=server.wait_idle, processes=lc.generator_processes)
+                              idle=server.wait_idle, processes=lc.generator_processes,
+                              grouped=1 if engine.serves_repeats_from_cache else UNSTOPPABLE_LEVELS)
             for row in levels:
                 rss, dev = sampler.peak(row.get("start_time"), row.get("end_time"))
                 row["peak_rss_mb"], row["device_peak_mb"] = rss, dev

@@ -1,12 +1,17 @@
-"""guidellm (vllm-project's load generator) against an engine's OpenAI-compatible endpoint: one concurrency level
-per invocation, so a hung level or a dead server costs one level and the server can be checked idle between levels.
+"""guidellm (vllm-project's load generator) against an engine's OpenAI-compatible endpoint. On an engine that
+serves no repeated prompt from a cache (llama-server: ``cache_prompt=false``), the levels the knee rule cannot stop
+(the first three: it needs two doublings measured) run in one guidellm invocation, each a benchmark of its own with
+its own request count; every later level, and every level on other engines, in an invocation of its own, so the
+climb can end past the knee and the server is checked idle before each. An invocation costs about 5 s of guidellm
+starting and exiting (measured here against llama-server: 1/2/4 streams, 4/4/8 requests of 32 tokens, 29 s as three
+invocations, 21 s as one).
 
 Per level: ``concurrency`` streams keep that many chat-completion requests in flight; the prompts are the suites'
-business text, and every request of a trial gets its own prompt (level after level, guidellm would otherwise start
-its list again, and an engine that keeps earlier prompts' KV blocks would serve the repeats from them and flatter
-TTFT); every request generates exactly ``output_tokens`` tokens and uses no prompt cache, by the engine's own
-request fields (its ``request_body``: llama-server's ``ignore_eos`` and ``cache_prompt=false``, transformers
-serve's per-request generation config). A level ends after max(min_requests, concurrency x requests_per_stream)
+business text, and every request of a level gets its own prompt; every invocation takes prompts no earlier one
+used (guidellm starts its list again at each benchmark of one invocation, so the grouped levels share their first
+prompts, which only an engine that serves no repeat from a cache is given); every request generates exactly
+``output_tokens`` tokens by the engine's own request fields (its ``request_body``: llama-server's ``ignore_eos``
+and ``cache_prompt=false``, transformers serve's per-request generation config). A level ends after max(min_requests, concurrency x requests_per_stream)
 requests have finished (``max_requests``: no request is cancelled, the last ones run at a lower concurrency), or at
 ``max_seconds`` (then in-flight requests are cancelled and reported incomplete).
 
@@ -126,15 +131,26 @@ def level_requests(levels: list[int], min_requests: int, requests_per_stream: in
 
 
 def prompts_needed(levels: list[int], min_requests: int, requests_per_stream: int) -> int:
-    """Distinct prompts a trial needs so that no request repeats another's prompt."""
+    """Prompts a trial draws (an upper bound: levels run in one guidellm invocation share their first ones)."""
     return sum(level_requests(levels, min_requests, requests_per_stream).values())
+
+
+UNSTOPPABLE_LEVELS = 3     # the knee rule (pipeline.load.past_the_knee) needs this many levels measured
+
+
+def level_groups(levels: list[int], grouped: int = UNSTOPPABLE_LEVELS) -> list[list[int]]:
+    """The guidellm invocations of a climb: the first ``grouped`` levels together, then one level each."""
+    ordered = sorted(levels)
+    return ([ordered[:grouped]] if ordered[:grouped] else []) + [[c] for c in ordered[grouped:]]
 
 
 def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_tokens: int, request_body: dict,
                  requests_per_stream: int, min_requests: int, max_seconds: float, workdir: Path,
-                 stop=None, idle=None, processes: int | None = 1) -> list[dict]:
-    """Every level in increasing order, one guidellm run each (see the module docstring); returns
-    ``parse_guidellm``'s rows. ``request_body``: the engine's fields for exactly ``output_tokens`` tokens per request
+                 stop=None, idle=None, processes: int | None = 1, grouped: int = 1) -> list[dict]:
+    """Every level in increasing order, in the guidellm runs of ``level_groups(levels, grouped)`` (see the module
+    docstring); returns ``parse_guidellm``'s rows, one per level. ``grouped``: the first levels run in one
+    invocation (UNSTOPPABLE_LEVELS for an engine that serves no repeated prompt from a cache; 1, one invocation per
+    level, for one that may: guidellm repeats its first prompts at each benchmark of an invocation). ``request_body``: the engine's fields for exactly ``output_tokens`` tokens per request
     (pipeline.engines: ``Engine.request_body``). ``prompts``: at least ``prompts_needed`` of them; level after level
     takes the next ones. ``stop(rows)``, asked before each level after the first, ends the climb early (the levels
     measured so far are returned). ``idle()``, called before each level, returns once the server has finished
@@ -155,19 +171,21 @@ def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_toke
     rows, start = [], 0
     data = workdir / f"prompts-{os.getpid()}.jsonl"
     try:
-        for c, count in counts.items():
+        for group in level_groups(list(counts), grouped):
+            c, tag = group[0], "-".join(f"c{g}" for g in group)
             if rows and stop is not None and stop(rows):
                 log.info("load: climb ended before concurrency %d (past the knee)", c)
                 break
             if idle is not None:
                 idle()
-            data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts[start:start + count]))
-            start += count
-            out = workdir / f"guidellm-{os.getpid()}-c{c}.json"
-            errlog = workdir / f"guidellm-c{c}.log"
+            need = max(counts[g] for g in group)     # guidellm starts the list again at each benchmark
+            data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts[start:start + need]))
+            start += need
+            out = workdir / f"guidellm-{os.getpid()}-{tag}.json"
+            errlog = workdir / f"guidellm-{tag}.log"
             cmd = [str(guidellm_exe()), "run", "--backend", backend,
-                   "--profile", f"kind=concurrent,streams={c}",
-                   "--constraint", f"kind=max_requests,count={count}",
+                   "--profile", json.dumps({"kind": "concurrent", "streams": group}),
+                   "--constraint", json.dumps({"kind": "max_requests", "count": [counts[g] for g in group]}),
                    "--constraint", f"kind=max_duration,seconds={int(max_seconds)}",
                    "--data", f"kind=json_file,path={data}", "--output", f"kind=json,path={out}",
                    "--disable-console"]
@@ -176,23 +194,28 @@ def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_toke
                 proc = subprocess.Popen(supervised(cmd), stdout=fh, stderr=subprocess.STDOUT, env=env,
                                         **supervised_options())
                 try:
-                    proc.wait(timeout=max_seconds + 300)
+                    proc.wait(timeout=len(group) * max_seconds + 300)
                 finally:
                     stop_supervised(proc)
+            where = f"concurrency {'/'.join(map(str, group))}"
             if proc.returncode != 0 or not out.is_file():
                 tail = "\n".join(errlog.read_text(errors="replace").strip().splitlines()[-8:])
-                raise RuntimeError(f"guidellm failed at concurrency {c} (exit {proc.returncode}): {' '.join(cmd)}\n"
+                raise RuntimeError(f"guidellm failed at {where} (exit {proc.returncode}): {' '.join(cmd)}\n"
                                    f"{tail}")
-            level = parse_guidellm(json.loads(out.read_text()))
+            measured = parse_guidellm(json.loads(out.read_text()))
             out.unlink()
-            got = level[0].get("output_tokens_per_request")
-            if level[0]["completed"] and got is not None and abs(got - output_tokens) > 0.5:
-                raise RuntimeError(f"the engine at {url} generated {got:.1f} "
-                                   f"tokens per request at concurrency {c}, not the {output_tokens} asked for: its "
-                                   f"request fields {request_body} do not fix the output length")
-            rows += level
-            log.info("load: concurrency %d: %d requests, %.1f output tok/s", c, level[0]["completed"],
-                     level[0]["output_tokens_per_s"])
+            if [r["concurrency"] for r in measured] != group:
+                raise RuntimeError(f"guidellm at {where} reported the levels "
+                                   f"{[r['concurrency'] for r in measured]}, not {group}")
+            for level in measured:
+                got = level.get("output_tokens_per_request")
+                if level["completed"] and got is not None and abs(got - output_tokens) > 0.5:
+                    raise RuntimeError(f"the engine at {url} generated {got:.1f} tokens per request at concurrency "
+                                       f"{level['concurrency']}, not the {output_tokens} asked for: its request "
+                                       f"fields {request_body} do not fix the output length")
+                log.info("load: concurrency %d: %d requests, %.1f output tok/s", level["concurrency"],
+                         level["completed"], level["output_tokens_per_s"])
+            rows += measured
     finally:
         data.unlink(missing_ok=True)
     return rows

@@ -291,6 +291,15 @@ def select(convs: list[Conversation], max_conversations: int | None, max_new_tok
     return out
 
 
+def checks_fingerprint(convs: list[Conversation]) -> str:
+    """What a suite's pass and flip rates are measured on: the selected conversations as the profile cut them (their
+    turns, reply budgets and checks). Two runs with the same fingerprint asked and checked the same; the nightly
+    gate compares pass and flip rates only then."""
+    from pipeline.store import stable_hash
+
+    return stable_hash(convs)
+
+
 # ---------------------------------------------------------------- checks
 
 # A number starts after a non-word character (not inside a word, and not in the middle of a digit group such as the

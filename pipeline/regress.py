@@ -115,11 +115,35 @@ def decoding_matches(new: dict, base: dict) -> tuple[bool, str]:
                    "are not comparable")
 
 
+def checks_match(new: dict, base: dict) -> tuple[bool, str]:
+    """Both runs asked and checked the same on every suite they share (``suites.*.checks_hash``: the conversations,
+    reply budgets and checks). A run without the fingerprint (a summary from before it existed) cannot say: its
+    pass and flip rates are not compared against one that has it."""
+    def hashes(summary: dict) -> dict:
+        return {s: (v or {}).get("checks_hash") for s, v in (summary.get("suites") or {}).items()}
+
+    hn, hb = hashes(new), hashes(base)
+    if not any(hn.values()) and not any(hb.values()):
+        return True, "same checks (neither run records them)"
+    shared = sorted(set(hn) & set(hb))
+    unknown = [s for s in shared if not hn[s] or not hb[s]]
+    if unknown:
+        return False, (f"{'the baseline' if any(not hb[s] for s in unknown) else 'this run'} records no fingerprint "
+                       f"of the conversations and checks of {', '.join(unknown)}: pass and flip rates are not "
+                       "comparable")
+    changed = [s for s in shared if hn[s] != hb[s]]
+    if not changed:
+        return True, "same checks"
+    return False, (f"the conversations, reply budgets or checks of {', '.join(changed)} changed since the baseline: "
+                   "pass and flip rates are not comparable")
+
+
 def regress(new: dict, base: dict, cfg_regress) -> dict:
     """Every variant x metric compared; returns {"cases": [...], "regressions": n, "environment": ...}. Metrics of
     the free-running replies are compared only when both runs decoded them the same way (``run.decoding``)."""
     same_env, env_note = environment_matches(new, base)
     same_dec, dec_note = decoding_matches(new, base)
+    same_checks, checks_note = checks_match(new, base)
     judged = [m.name for m in catalogue.METRICS if m.better]
     metrics = judged if (same_env or cfg_regress.compare_all) else [m for m in judged if
                                                                     catalogue.BY_NAME[m].hardware_independent]
@@ -127,6 +151,9 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
     why = {m: "environment" for m in judged if m not in metrics}
     if not same_dec:
         why.update({m: "decoding" for m in metrics if catalogue.BY_NAME[m].source == "free"})
+        metrics = [m for m in metrics if m not in why]
+    if not same_checks:
+        why.update({m: "checks" for m in metrics if catalogue.BY_NAME[m].source == "free"})
         metrics = [m for m in metrics if m not in why]
     cases = []
     for name, base_v in base["variants"].items():
@@ -147,6 +174,7 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
     skipped = [m for m in (cfg_regress.tolerances or {}) if m in judged and m not in metrics]
     return {"cases": cases, "regressions": sum(c["regressed"] for c in cases), "environment": env_note,
             "same_environment": same_env, "decoding": dec_note, "same_decoding": same_dec,
+            "checks": checks_note, "same_checks": same_checks,
             "skipped_metrics": skipped, "skipped_because": {m: why[m] for m in skipped}}
 
 
@@ -171,13 +199,16 @@ def diff_markdown(result: dict, new_path: Path, base_path: Path) -> str:
              f"Run `{new_path}` against baseline `{base_path}`: **{result['regressions']} regression(s)**.", "",
              f"Environment: {result['environment']}."]
     left_out = {kind: [m for m in result["skipped_metrics"] if result["skipped_because"][m] == kind]
-                for kind in ("environment", "decoding")}
+                for kind in ("environment", "decoding", "checks")}
     if left_out["environment"]:
         lines.append("Compared on hardware-independent metrics only (drift and checks); not compared: "
                      + ", ".join(left_out["environment"]) + " (set regress.compare_all=true to compare them).")
     if not result["same_decoding"]:
         lines.append(f"Decoding: {result['decoding']}; not compared: " + ", ".join(left_out["decoding"])
                      + " (promote a baseline decoded as this run is: `make promote`).")
+    if not result.get("same_checks", True):
+        lines.append(f"Checks: {result['checks']}; not compared: " + ", ".join(left_out["checks"])
+                     + " (promote a baseline scored with this run's checks: `make promote`).")
     lines += ["", "| variant | metric | result | detail |", "|---|---|---|---|"]
     for c in sorted(result["cases"], key=lambda c: (not c["regressed"], c["variant"], c["metric"])):
         lines.append(f"| {c['variant']} | {c['metric']} | {'**REGRESSED**' if c['regressed'] else 'ok'} | "

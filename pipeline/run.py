@@ -134,6 +134,7 @@ def evaluate_job(cfg: Config) -> dict:
         refs, producer, parity = setup_reference(cfg, original, renderer, suites)
         from pipeline.evaluate import deployment_path, deployment_suites, evaluate_variant
         from pipeline.quantizers.base import bits_per_weight
+        from pipeline.prompts import checks_fingerprint
         from pipeline.probe import probe_spec
 
         try:
@@ -169,6 +170,7 @@ def evaluate_job(cfg: Config) -> dict:
             "probe": probe_spec(cfg, variant, artifact,
                                 probe_prompt(renderer, suites, cfg.profile.speed.prompt_tokens)),
             "reference": {"producer": producer["name"], "suites": {s: r.hash for s, r in refs.items()}},
+            "checks": {s: checks_fingerprint(convs) for s, convs in suites.items()},
             "parity": parity,
             "model": {"name": cfg.model.name, "source": cfg.model.source, "facts": original.facts},
             "wall_s": time.time() - started,

@@ -255,8 +255,9 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     calls = []
 
     def generate(url, prompts, *, levels, output_tokens, request_body, requests_per_stream, min_requests, max_seconds,
-                 workdir, stop=None, idle=None, processes=None):
+                 workdir, stop=None, idle=None, processes=None, grouped=1):
         assert request_body == {"max_completion_tokens": output_tokens, "ignore_eos": True, "cache_prompt": False}
+        assert grouped == 3            # llama-server serves no repeated prompt from a cache: 1/2/4 in one run
         out = []
         for c in levels:
             if out and stop and stop(out):
@@ -332,8 +333,9 @@ def test_hf_variants_are_served_by_transformers_serve_and_the_int8_cache_is_skip
     urls, idle_waits = [], []
 
     def generate(url, prompts, *, levels, output_tokens, request_body, requests_per_stream, min_requests, max_seconds,
-                 workdir, stop=None, idle=None, processes=None):
+                 workdir, stop=None, idle=None, processes=None, grouped=1):
         assert "ignore_eos" not in request_body        # transformers serve answers 422 to unknown fields
+        assert grouped == 1            # it shares KV blocks between requests with one prefix: a run per level
         out = []
         for c in levels:
             waited = time.monotonic()
@@ -472,6 +474,58 @@ def test_an_engine_that_does_not_fix_the_output_length_fails_the_level_loudly(tm
                              requests_per_stream=2, min_requests=4, max_seconds=10, workdir=tmp_path)
 
 
+def test_the_levels_the_knee_rule_cannot_stop_run_in_one_guidellm_invocation(tmp_path, monkeypatch):
+    """1/2/4 in one guidellm run (each a benchmark with its own request count), every later level in a run of its
+    own after the stop rule and the idle check; each run draws prompts no earlier one used."""
+    import copy
+
+    import pipeline.loadgen as loadgen
+
+    recorded = json.loads((Path(__file__).parent / "data" / "guidellm_0.8.1_concurrent.json").read_text())
+    calls = []
+
+    def fake_run(cmd):
+        streams = json.loads(cmd[cmd.index("--profile") + 1])["streams"]
+        counts = json.loads(cmd[cmd.index("--constraint") + 1])["count"]
+        data = Path(cmd[cmd.index("--data") + 1].split("path=")[1])
+        calls.append((streams, counts, [json.loads(line)["prompt"] for line in data.read_text().splitlines()]))
+        report = copy.deepcopy(recorded)
+        report["benchmarks"] = []
+        for c in streams:
+            b = copy.deepcopy(recorded["benchmarks"][0])
+            b["config"]["strategy"]["streams"] = c
+            report["benchmarks"].append(b)
+        Path(cmd[cmd.index("--output") + 1].split("path=")[1]).write_text(json.dumps(report))
+        return 0
+
+    monkeypatch.setattr(loadgen.subprocess, "Popen", _fake_popen(fake_run))
+    monkeypatch.setattr(loadgen, "guidellm_exe", lambda: Path("/bin/true"))
+    idle = []
+    prompts = [f"p{i}" for i in range(64)]
+    kw = dict(output_tokens=32, request_body={}, requests_per_stream=2, min_requests=4, max_seconds=10,
+              workdir=tmp_path, idle=lambda: idle.append(1))
+    rows = loadgen.run_guidellm("http://x", prompts, levels=[16, 1, 4, 2, 8], grouped=3, **kw)
+    assert [r["concurrency"] for r in rows] == [1, 2, 4, 8, 16]
+    assert [(s, c) for s, c, _ in calls] == [([1, 2, 4], [4, 4, 8]), ([8], [16]), ([16], [32])]
+    assert [p for _, _, p in calls] == [prompts[:8], prompts[8:24], prompts[24:56]] and len(idle) == 3
+    calls.clear()
+    rows = loadgen.run_guidellm("http://x", prompts, levels=[1, 2, 4, 8, 16], stop=lambda r: len(r) >= 3, grouped=3,
+                               **kw)
+    assert [r["concurrency"] for r in rows] == [1, 2, 4] and [s for s, _, _ in calls] == [[1, 2, 4]]
+    assert loadgen.level_groups([4, 1]) == [[1, 4]] and loadgen.level_groups([]) == []
+
+    def wrong_levels(cmd):
+        fake_run(cmd)
+        out = Path(cmd[cmd.index("--output") + 1].split("path=")[1])
+        report = json.loads(out.read_text())
+        out.write_text(json.dumps({**report, "benchmarks": report["benchmarks"][:1]}))
+        return 0
+
+    monkeypatch.setattr(loadgen.subprocess, "Popen", _fake_popen(wrong_levels))
+    with pytest.raises(RuntimeError, match=r"reported the levels \[1\], not \[1, 2, 4\]"):
+        loadgen.run_guidellm("http://x", prompts, levels=[1, 2, 4], grouped=3, **kw)
+
+
 def test_guidellm_reports_are_parsed_per_level_in_seconds():
     """A real guidellm 0.8.1 report (llama-server, Q8_0, 1/2/4 streams, 32 output tokens; trimmed)."""
     from pathlib import Path
@@ -606,7 +660,7 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
     sent = []
 
     def fake_run(cmd):
-        c = int(next(a for a in cmd if a.startswith("kind=concurrent")).split("streams=")[1])
+        c = json.loads(cmd[cmd.index("--profile") + 1])["streams"]
         ran.append(c)
         data = next(a for a in cmd if a.startswith("kind=json_file,path=")).split("path=")[1]
         sent.append([json.loads(line)["prompt"] for line in Path(data).read_text().splitlines()])
@@ -618,8 +672,8 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
     popen = _fake_popen(fake_run)
     monkeypatch.setattr(loadgen.subprocess, "Popen", popen)
     monkeypatch.setattr(loadgen, "guidellm_exe", lambda: Path("guidellm"))
-    monkeypatch.setattr(loadgen, "parse_guidellm",
-                        lambda rep: [{"concurrency": rep["c"], "completed": 4, "output_tokens_per_s": flat[rep["c"]]}])
+    monkeypatch.setattr(loadgen, "parse_guidellm", lambda rep: [
+        {"concurrency": c, "completed": 4, "output_tokens_per_s": flat[c]} for c in rep["c"]])
     from pipeline.load import past_the_knee
 
     prompts = [f"p{i}" for i in range(loadgen.prompts_needed([1, 2, 4, 8, 16], 4, 2))]
@@ -627,22 +681,30 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
     idled = []
     got = loadgen.run_guidellm("http://x", prompts, levels=[1, 2, 4, 8, 16], output_tokens=4, request_body={},
                                requests_per_stream=2, min_requests=4, max_seconds=10, workdir=tmp_path,
-                               stop=lambda rows: past_the_knee(rows, 0.10), idle=lambda: idled.append(len(ran)))
-    assert ran == [1, 2, 4] and [r["concurrency"] for r in got] == [1, 2, 4]
-    assert idled == [0, 1, 2]               # the engine was waited for before every level it ran
+                               stop=lambda rows: past_the_knee(rows, 0.10), idle=lambda: idled.append(len(ran)),
+                               grouped=loadgen.UNSTOPPABLE_LEVELS)
+    # 1/2/4 in one invocation (the rule needs three levels); flat, so the climb ends before 8
+    assert ran == [[1, 2, 4]] and [r["concurrency"] for r in got] == [1, 2, 4]
+    assert idled == [0]                     # the engine was waited for before every invocation
     # one guidellm worker process for all streams by default (load.generator_processes); None: guidellm's own
-    assert [e.get("GUIDELLM__MAX_WORKER_PROCESSES") for e in popen.envs] == ["1"] * 3
+    assert [e.get("GUIDELLM__MAX_WORKER_PROCESSES") for e in popen.envs] == ["1"]
     popen.envs.clear()
     loadgen.run_guidellm("http://x", prompts, levels=[1, 2], output_tokens=4, request_body={}, requests_per_stream=2,
-                         min_requests=4, max_seconds=10, workdir=tmp_path, processes=None)
-    assert [e.get("GUIDELLM__MAX_WORKER_PROCESSES") for e in popen.envs] == [None] * 2
+                         min_requests=4, max_seconds=10, workdir=tmp_path, processes=None, grouped=3)
+    assert [e.get("GUIDELLM__MAX_WORKER_PROCESSES") for e in popen.envs] == [None]
     ran.clear()
     sent.clear()
     loadgen.run_guidellm("http://x", prompts, levels=[1, 2, 4, 8, 16], output_tokens=4, request_body={},
+                         requests_per_stream=2, min_requests=4, max_seconds=10, workdir=tmp_path, grouped=3)
+    assert ran == [[1, 2, 4], [8], [16]]
+    # every request of a level has its own prompt, and no invocation repeats an earlier one's (guidellm starts its
+    # list again at each benchmark of one invocation: 1/2/4 share their first prompts)
+    assert [len(x) for x in sent] == [8, 16, 32] and sum(sent, []) == prompts[:56]
+    ran.clear()
+    sent.clear()        # an engine that may serve a repeat from its cache: one run per level, no prompt twice
+    loadgen.run_guidellm("http://x", prompts, levels=[1, 2, 4, 8, 16], output_tokens=4, request_body={},
                          requests_per_stream=2, min_requests=4, max_seconds=10, workdir=tmp_path)
-    assert ran == [1, 2, 4, 8, 16]
-    # every request of the trial has its own prompt: no level repeats an earlier level's
-    assert [len(x) for x in sent] == [4, 4, 8, 16, 32] and sum(sent, []) == prompts
+    assert ran == [[1], [2], [4], [8], [16]] and sum(sent, []) == prompts
 
 
 def test_make_bench_serves_each_variant_then_runs_llama_batched_bench_in_alternating_rounds(monkeypatch, tmp_path):

@@ -121,6 +121,47 @@ def test_replies_decoded_another_way_are_not_compared_on_their_checks(gate):
     assert gate(new, base)[0] == 1
 
 
+def test_replies_scored_with_other_checks_are_not_compared_on_their_checks(gate):
+    """The suites' checks or reply budgets changed since the baseline (suites.*.checks_hash): pass and flip rates are
+    left out and said so; drift is still judged; the same checks (or a baseline without the fingerprint) compare."""
+    base, new = _summary(), _summary()
+    base["suites"] = {"multi_turn": {"checks_hash": "aaaa"}, "long_output": {"checks_hash": "bbbb"}}
+    new["suites"] = {"multi_turn": {"checks_hash": "aaaa"}, "long_output": {"checks_hash": "cccc"}}
+    new["variants"]["gguf_q4_0"]["drift"]["pass_rate"] = 0.0          # would fail with the same checks
+    new["variants"]["gguf_q4_0"]["intervals"]["pass_rate"] = {"estimate": 0.0, "low": 0.0, "high": 0.01}
+    code, junit, md = gate(new, base)
+    assert code == 0, md
+    assert "Checks: the conversations, reply budgets or checks of long_output changed since the baseline" in md
+    assert "pass_rate" in md
+    skipped = {tc.get("name"): tc.find("skipped").get("message") for tc in junit.iter("testcase")
+               if tc.find("skipped") is not None}
+    assert "long_output changed" in skipped["pass_rate"]
+    new["suites"]["long_output"]["checks_hash"] = "bbbb"
+    assert gate(new, base)[0] == 1                                  # the same checks: the drop is judged
+    del base["suites"]["long_output"]["checks_hash"]                # a baseline from before the fingerprint
+    code, _, md = gate(new, base)
+    assert code == 0 and "the baseline records no fingerprint of the conversations and checks of long_output" in md
+    del base["suites"], new["suites"]
+    assert gate(new, base)[0] == 1                                  # neither records it (old runs): judged
+    base["suites"] = {"long_output": {"checks_hash": "bbbb"}}
+    new["suites"] = {"long_output": {"checks_hash": "cccc"}}
+    new["variants"]["gguf_q4_0"]["drift"]["kld_mean"] = 5.0           # drift is judged across checks
+    assert gate(new, base)[0] == 1
+
+
+def test_checks_fingerprint_follows_what_was_asked_and_checked():
+    from pipeline.prompts import Conversation, Turn, checks_fingerprint
+
+    def conv(checks, budget=96, user="Order 4471?"):
+        return [Conversation(id="a", suite="s", turns=[Turn(user=user, max_new_tokens=budget, checks=checks)])]
+
+    one = [{"type": "contains", "value": "4471"}]
+    assert checks_fingerprint(conv(one)) == checks_fingerprint(conv(list(one)))
+    assert checks_fingerprint(conv(one)) != checks_fingerprint(conv(one, user="Order 4471, please?"))
+    assert checks_fingerprint(conv(one)) != checks_fingerprint(conv(one, budget=192))
+    assert checks_fingerprint(conv(one)) != checks_fingerprint(conv([{"type": "contains", "value": "4417"}]))
+
+
 def test_bad_baseline_and_failed_run(gate, tmp_path):
     write_json(tmp_path / "results" / MODEL / "nightly" / "summary.json", _summary())
     cfg = compose(["command=regress", "run.name=nightly", f"paths.results={tmp_path / 'results'}",

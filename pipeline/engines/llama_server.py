@@ -33,6 +33,7 @@ def serve_settings(cfg, variant) -> dict:
 
 class LlamaServer(ServedEngine):
     name = "llama-server"
+    serves_repeats_from_cache = False      # cache_prompt=false in every request (request_body)
 
     def __init__(self, exe: Path, gguf: Path, *, threads: int, slots: int, ctx_per_slot: int, flash_attn: bool,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", gpu: bool = False, n_gpu_layers: int = -1,

@@ -53,6 +53,10 @@ class ServedEngine:
     ``GET /health`` answers ok, and stops it (SIGTERM, then SIGKILL after 10 s) however the block ends."""
 
     name = "engine"
+    # Whether the engine may answer a repeated prompt from KV blocks an earlier request left (transformers serve
+    # shares them between requests with the same prefix): every request of a trial then needs a prompt of its own,
+    # and the load generator runs one level per invocation (pipeline.loadgen.run_guidellm's ``grouped``).
+    serves_repeats_from_cache = True
 
     def __init__(self, served: Path, *, settings: dict, log_path: Path, startup_timeout_s: float):
         self.served, self.log_path = Path(served), Path(log_path)

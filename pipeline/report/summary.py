@@ -62,8 +62,9 @@ def build_summary(cfg: Config) -> dict:
         "load": load_sweep_,                      # `quantdrift load` of this run, when it has run
         # per suite: the original's pass rate and whether flips carry signal there (from the first evaluated variant:
         # every variant is checked against the same reference replies)
-        "suites": {suite: {k: p.get(k) for k in ("conversations", "checks", "reference_pass_rate",
-                                                 "no_signal_for_flips")}
+        "suites": {suite: {**{k: p.get(k) for k in ("conversations", "checks", "reference_pass_rate",
+                                                    "no_signal_for_flips")},
+                           "checks_hash": (first.get("checks") or {}).get(suite)}
                    for suite, p in (next((v.get("power") for v in variants.values() if v.get("power")), None)
                                     or {}).items()},
         "speed_protocol": {"rounds": (speed_run or {}).get("rounds"), "order": (speed_run or {}).get("order"),
