@@ -125,8 +125,9 @@ def exact_sample(ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> tuple[dic
 def exact_sample_logprobs(cfg: Config, original: Original, ref: SuiteReference,
                           n: int = EXACT_SAMPLE_TOKENS) -> np.ndarray:
     """The original's whole log-softmax (transformers, float64) at ``exact_sample(ref, n)``'s positions: the same
-    for every variant, so a stage of its own beside the reference, computed once per run and suite instead of once
-    per variant (a transformers load and a pass over the suite's longest transcript, ~12 s a variant here)."""
+    for every variant, so a stage of its own beside the reference, computed once per run and suite instead of in
+    every variant's scoring (a transformers load and a pass over the suite's longest transcript: about 10 s a suite
+    here)."""
     from pipeline.config import VariantConfig
 
     out_dir = cfg.model_dir / "reference" / cfg.run.name / f"{ref.suite}-exact_sample"
@@ -146,16 +147,15 @@ def exact_sample_logprobs(cfg: Config, original: Original, ref: SuiteReference,
     return np.load(out_dir / "logprobs.npy")
 
 
-def kld_exactness(variant_rt, original, ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> dict:
+def kld_exactness(variant_rt, lp_ref: np.ndarray, ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> dict:
     """The stored KLD as ``teacher_forced`` computes it (the original's top-K + one tail bucket, exact at the
     reference's exact rows) against the exact full-vocabulary KLD on a sample of reference positions: both from
     the same full distributions of the original (transformers) and of the variant (its own runtime), so the ratio
-    is the stored figure's own error. ``ratio_topk_only``: the same without the exact rows. ``original``: the
-    original's runtime, or its log-probs at the sample already (``exact_sample_logprobs``)."""
+    is the stored figure's own error. ``ratio_topk_only``: the same without the exact rows. ``lp_ref``: the
+    original's log-probs at the sample (``exact_sample_logprobs``)."""
     tr, idx = exact_sample(ref, n)
     s = ref.scores[tr["id"]]
     pos = s["pos"][idx]
-    lp_ref = original if isinstance(original, np.ndarray) else original.logprobs(tr["ids"], pos.tolist())
     if lp_ref.shape[0] != len(idx):
         raise ValueError(f"kld_exactness: {lp_ref.shape[0]} rows of the original's log-probs for a sample of "
                          f"{len(idx)} positions ({ref.suite}/{tr['id']})")

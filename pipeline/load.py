@@ -26,7 +26,6 @@ from pathlib import Path
 
 from pipeline.aggregate import sequences_that_fit
 from pipeline.errors import ConfigError, Skip
-from pipeline.loadgen import UNSTOPPABLE_LEVELS
 from pipeline.memory import status_mb
 from pipeline.probe import OtherCpu
 from pipeline.stats import median_interval
@@ -88,15 +87,18 @@ def knee(table: dict[int, dict], gain: float) -> dict:
     return {"concurrency": levels[-1] if levels else None, "reached": False, "steps": steps, "knee_gain": gain}
 
 
+KNEE_RULE_LEVELS = 3      # past_the_knee judges two doublings: it needs this many levels measured
+
+
 def past_the_knee(rows: list[dict], gain: float) -> bool:
     """Whether one round's climb can end: its last two doublings each added less than ``gain`` aggregate output
     tokens/s (the knee lies behind, and the next level is the costliest), or its last level completed no request.
     One flat step is not enough: a single step of a noisy machine can look flat."""
     if rows and not rows[-1].get("completed"):
         return True
-    if len(rows) < 3:
+    if len(rows) < KNEE_RULE_LEVELS:
         return False
-    a, b, c = (r.get("output_tokens_per_s") or 0.0 for r in rows[-3:])
+    a, b, c = (r.get("output_tokens_per_s") or 0.0 for r in rows[-KNEE_RULE_LEVELS:])
     return a > 0 and b > 0 and b < a * (1 + gain) and c < b * (1 + gain)
 
 
@@ -366,7 +368,7 @@ def serve_trial(plan: dict, depths: list[int], prompts: dict, lc, gpu: bool, gen
                               max_seconds=lc.max_seconds_per_level, workdir=log_path.parent,
                               stop=(lambda rows: past_the_knee(rows, lc.knee_gain)) if lc.stop_past_knee else None,
                               idle=server.wait_idle, processes=lc.generator_processes,
-                              grouped=1 if engine.serves_repeats_from_cache else UNSTOPPABLE_LEVELS)
+                              grouped=1 if engine.serves_repeats_from_cache else KNEE_RULE_LEVELS)
             for row in levels:
                 rss, dev = sampler.peak(row.get("start_time"), row.get("end_time"))
                 row["peak_rss_mb"], row["device_peak_mb"] = rss, dev

@@ -1,19 +1,19 @@
-"""guidellm (vllm-project's load generator) against an engine's OpenAI-compatible endpoint. On an engine that
-serves no repeated prompt from a cache (llama-server: ``cache_prompt=false``), the levels the knee rule cannot stop
-(the first three: it needs two doublings measured) run in one guidellm invocation, each a benchmark of its own with
-its own request count; every later level, and every level on other engines, in an invocation of its own, so the
-climb can end past the knee and the server is checked idle before each. An invocation costs about 5 s of guidellm
-starting and exiting (measured here against llama-server: 1/2/4 streams, 4/4/8 requests of 32 tokens, 29 s as three
-invocations, 21 s as one).
+"""guidellm (vllm-project's load generator) against an engine's OpenAI-compatible endpoint. On an engine that serves no
+repeated prompt from a cache (llama-server: ``cache_prompt=false``), the levels the knee rule cannot stop (the first
+three: it needs two doublings measured; a level that completed no request, which also ends a climb, then ends it
+only after the group) run in one guidellm invocation, each a benchmark of its own with its own request count; every
+later level, and every level on other engines, in an invocation of its own, so the climb can end past the knee and
+the server is checked idle before each. An invocation costs about 5 s of guidellm starting and exiting (measured
+here against llama-server: 1/2/4 streams, 4/4/8 requests of 32 tokens, 29 s as three invocations, 21 s as one).
 
 Per level: ``concurrency`` streams keep that many chat-completion requests in flight; the prompts are the suites'
-business text, and every request of a level gets its own prompt; every invocation takes prompts no earlier one
-used (guidellm starts its list again at each benchmark of one invocation, so the grouped levels share their first
+business text, and every request of a level gets its own prompt; every invocation takes prompts no earlier one used
+(guidellm starts its list again at each benchmark of one invocation, so the grouped levels share their first
 prompts, which only an engine that serves no repeat from a cache is given); every request generates exactly
-``output_tokens`` tokens by the engine's own request fields (its ``request_body``: llama-server's ``ignore_eos``
-and ``cache_prompt=false``, transformers serve's per-request generation config). A level ends after max(min_requests, concurrency x requests_per_stream)
-requests have finished (``max_requests``: no request is cancelled, the last ones run at a lower concurrency), or at
-``max_seconds`` (then in-flight requests are cancelled and reported incomplete).
+``output_tokens`` tokens by the engine's own request fields (its ``request_body``: llama-server's ``ignore_eos`` and
+``cache_prompt=false``, transformers serve's per-request generation config). A level ends after max(min_requests,
+concurrency x requests_per_stream) requests have finished (``max_requests``: no request is cancelled, the last ones
+run at a lower concurrency), or at ``max_seconds`` (then in-flight requests are cancelled and reported incomplete).
 
 guidellm reads token counts from the server's ``usage``; with a JSON-file dataset it loads no tokenizer, so it never
 touches the hub (HF_HUB_OFFLINE is set for it all the same). Measured here: guidellm itself uses about half a core,
@@ -135,10 +135,7 @@ def prompts_needed(levels: list[int], min_requests: int, requests_per_stream: in
     return sum(level_requests(levels, min_requests, requests_per_stream).values())
 
 
-UNSTOPPABLE_LEVELS = 3     # the knee rule (pipeline.load.past_the_knee) needs this many levels measured
-
-
-def level_groups(levels: list[int], grouped: int = UNSTOPPABLE_LEVELS) -> list[list[int]]:
+def level_groups(levels: list[int], grouped: int) -> list[list[int]]:
     """The guidellm invocations of a climb: the first ``grouped`` levels together, then one level each."""
     ordered = sorted(levels)
     return ([ordered[:grouped]] if ordered[:grouped] else []) + [[c] for c in ordered[grouped:]]
@@ -149,8 +146,9 @@ def run_guidellm(url: str, prompts: list[str], *, levels: list[int], output_toke
                  stop=None, idle=None, processes: int | None = 1, grouped: int = 1) -> list[dict]:
     """Every level in increasing order, in the guidellm runs of ``level_groups(levels, grouped)`` (see the module
     docstring); returns ``parse_guidellm``'s rows, one per level. ``grouped``: the first levels run in one
-    invocation (UNSTOPPABLE_LEVELS for an engine that serves no repeated prompt from a cache; 1, one invocation per
-    level, for one that may: guidellm repeats its first prompts at each benchmark of an invocation). ``request_body``: the engine's fields for exactly ``output_tokens`` tokens per request
+    invocation (pipeline.load.KNEE_RULE_LEVELS for an engine that serves no repeated prompt from a cache; 1, one
+    invocation per level, for one that may: guidellm repeats its first prompts at each benchmark of an
+    invocation). ``request_body``: the engine's fields for exactly ``output_tokens`` tokens per request
     (pipeline.engines: ``Engine.request_body``). ``prompts``: at least ``prompts_needed`` of them; level after level
     takes the next ones. ``stop(rows)``, asked before each level after the first, ends the climb early (the levels
     measured so far are returned). ``idle()``, called before each level, returns once the server has finished

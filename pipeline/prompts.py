@@ -70,6 +70,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _tokens(path: Path, line: int, fld: str, value: Any) -> None:
+    """A token count (a reply budget, its floor, a check's reach): an integer in 1..4096."""
+    if not (_is_int(value) and 1 <= value <= 4096):
+        _fail(path, line, fld, f"expected an integer in 1..4096, got {value!r}")
+
+
 def _validate_check(path: Path, line: int, where: str, check: Any, user: str | None = None) -> dict:
     """``user``: the turn's user message, which an ``echo`` check's literals must come from."""
     if not isinstance(check, dict):
@@ -81,8 +87,8 @@ def _validate_check(path: Path, line: int, where: str, check: Any, user: str | N
         _fail(path, line, f"{where}.name", "expected a non-empty string or absent")
     if "grade" in check and check["grade"] not in GRADES:
         _fail(path, line, f"{where}.grade", f"expected one of {', '.join(GRADES)}, got {check['grade']!r}")
-    if "needs_tokens" in check and not (_is_int(check["needs_tokens"]) and 1 <= check["needs_tokens"] <= 4096):
-        _fail(path, line, f"{where}.needs_tokens", f"expected an integer in 1..4096, got {check['needs_tokens']!r}")
+    if "needs_tokens" in check:
+        _tokens(path, line, f"{where}.needs_tokens", check["needs_tokens"])
     if ctype in ("contains", "not_contains"):
         if not isinstance(check.get("value"), str) or not check["value"]:
             _fail(path, line, f"{where}.value", "expected a non-empty string")
@@ -205,12 +211,10 @@ def parse_record(path: Path, line: int, raw: Any, suite: str) -> Conversation:
             _fail(path, line, f"{where}.{extra[0]}", f"unknown field: expected only {', '.join(sorted(_TURN_KEYS))}")
         if not isinstance(t.get("user"), str) or not t["user"].strip():
             _fail(path, line, f"{where}.user", "expected a non-empty string")
-        budget = t.get("max_new_tokens")
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= 4096):
-            _fail(path, line, f"{where}.max_new_tokens", f"expected an integer in 1..4096, got {budget!r}")
-        floor = t.get("min_new_tokens")
-        if floor is not None and (not isinstance(floor, int) or isinstance(floor, bool) or not 1 <= floor <= 4096):
-            _fail(path, line, f"{where}.min_new_tokens", f"expected an integer in 1..4096, got {floor!r}")
+        budget, floor = t.get("max_new_tokens"), t.get("min_new_tokens")
+        for name, value in (("max_new_tokens", budget), ("min_new_tokens", floor)):
+            if value is not None:
+                _tokens(path, line, f"{where}.{name}", value)
         if floor is not None and budget is not None and floor > budget:
             _fail(path, line, f"{where}.min_new_tokens", f"expected at most the turn's max_new_tokens ({budget}), "
                   f"got {floor}")
@@ -281,10 +285,10 @@ def select(convs: list[Conversation], max_conversations: int | None, max_new_tok
             if max_new_tokens_cap:
                 budget = max(min(budget, max_new_tokens_cap), min(t.min_new_tokens or 0, budget))
             checks = [ch for ch in t.checks if ch.get("needs_tokens", 0) <= budget]
-            if len(checks) < len(t.checks):
+            beyond = [check_label(ch, i) for i, ch in enumerate(t.checks) if ch.get("needs_tokens", 0) > budget]
+            if beyond:
                 log.info("%s: %d check(s) need more than this profile's %d-token budget and are not scored: %s", c.id,
-                         len(t.checks) - len(checks), budget,
-                         ", ".join(check_label(ch, i) for i, ch in enumerate(t.checks) if ch not in checks))
+                         len(beyond), budget, ", ".join(beyond))
             turns.append(Turn(user=t.user, max_new_tokens=budget, checks=checks, min_new_tokens=t.min_new_tokens))
         out.append(Conversation(id=c.id, suite=c.suite, turns=turns, system=c.system, category=c.category,
                                 meta=c.meta))
@@ -401,7 +405,8 @@ def check_grade(check: dict) -> str:
 
 _WORD = re.compile(r"[^\W\d_]+")               # a run of letters (any script)
 _TOKEN = re.compile(r"\w+")                     # letters or digits: what a loop repeats
-_BULLET = re.compile(r"^\s*(?:[-*\u2022+]|\d{1,2}[.)])\s+\S")
+_LIST_MARKER = r"^\s*(?:[-*+\u2022]|\d{1,2}[.)])\s+"    # a bullet or a list number opening a line
+_BULLET = re.compile(_LIST_MARKER + r"\S")
 
 
 def first_json_object(text: str) -> dict | None:
@@ -425,10 +430,15 @@ def literal_in(value: str, text: str, case_sensitive: bool = False) -> bool:
     """``value`` occurs in ``text`` as written, and not as part of a longer word or number: where the value
     starts (ends) with a letter or digit, the character before (after) it must not be one, so "18" is not found
     in "180" or "2018", "AP-558213" not in "AP-5582130", but "$1,249.50" is found in "total: $1,249.50."."""
-    pattern = re.escape(value.strip())
-    if value.strip()[0].isalnum():
+    return _standalone(re.escape(value.strip()), value.strip(), text, case_sensitive)
+
+
+def _standalone(pattern: str, value: str, text: str, case_sensitive: bool) -> bool:
+    """``pattern`` (matching ``value`` or a spelling of it) found in ``text`` not inside a longer word or number:
+    where ``value`` starts (ends) with a letter or digit, the character before (after) the match must not be one."""
+    if value[0].isalnum():
         pattern = r"(?<![^\W_])" + pattern
-    if value.strip()[-1].isalnum():
+    if value[-1].isalnum():
         pattern += r"(?![^\W_])"
     return re.search(pattern, text, 0 if case_sensitive else re.IGNORECASE) is not None
 
@@ -447,12 +457,11 @@ def echoed(value: str, text: str, case_sensitive: bool = False) -> bool:
         return False
     whole, digits = m.groups()
     body = re.escape(f"{whole}.{digits}") + "0*" if digits else re.escape(whole) + r"(?:\.0+)?"
-    pattern = (r"(?<![^\W_])" if whole[0].isalnum() else "") + body + r"(?![^\W_])(?![.,]\d)"
-    return re.search(pattern, text, 0 if case_sensitive else re.IGNORECASE) is not None
+    return _standalone(body + r"(?![.,]\d)", value.strip(), text, case_sensitive)
 
 
 _SENTENCE_END = re.compile(r"[.!?]+(?=[\"')\]]*(?:\s|$))")
-_LIST_MARK = re.compile(r"^\s*(?:[-*+\u2022]|\d{1,2}[.)])\s+", re.M)
+_LIST_MARK = re.compile(_LIST_MARKER, re.M)
 
 
 def count_units(text: str, unit: str) -> int:

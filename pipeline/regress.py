@@ -149,12 +149,11 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
                                                                     catalogue.BY_NAME[m].hardware_independent]
     # why each left-out metric is left out: "environment" or "decoding" (the result's note of that name says how)
     why = {m: "environment" for m in judged if m not in metrics}
-    if not same_dec:
-        why.update({m: "decoding" for m in metrics if catalogue.BY_NAME[m].source == "free"})
-        metrics = [m for m in metrics if m not in why]
-    if not same_checks:
-        why.update({m: "checks" for m in metrics if catalogue.BY_NAME[m].source == "free"})
-        metrics = [m for m in metrics if m not in why]
+    # the free-running replies' metrics (pass and flip rates) need the same decoding and the same checks
+    for kind, same in (("decoding", same_dec), ("checks", same_checks)):
+        if not same:
+            why.update({m: kind for m in metrics if catalogue.BY_NAME[m].source == "free"})
+            metrics = [m for m in metrics if m not in why]
     cases = []
     for name, base_v in base["variants"].items():
         new_v = new["variants"].get(name)

@@ -3,7 +3,7 @@
 import numpy as np
 
 from pipeline import metrics
-from pipeline.evaluate import kld_exactness, teacher_forced
+from pipeline.evaluate import exact_sample, kld_exactness, teacher_forced
 from pipeline.reference import SuiteReference
 from pipeline.runtimes.base import FullLogitsRuntime
 
@@ -70,29 +70,33 @@ def test_exact_rows_make_the_kld_exact_there_and_leave_the_bucket_elsewhere():
     assert abs(hybrid.mean() / exact.mean() - 1) < abs(bucket_only.mean() / exact.mean() - 1)
 
 
+def _sample_logprobs(original: FixedLogits, ref: SuiteReference) -> np.ndarray:
+    """The original's log-probs at the exactness sample, as exact_sample_logprobs stores them for every variant."""
+    tr, idx = exact_sample(ref, N)
+    return original.logprobs(tr["ids"], ref.scores[tr["id"]]["pos"][idx].tolist())
+
+
 def test_the_exactness_sample_reports_the_stored_figure_as_scored_and_the_top_k_only_one():
     p_logits, q_logits = _models()
     original, variant = FixedLogits(p_logits), FixedLogits(q_logits)
-    e = kld_exactness(variant, original, _reference(p_logits, 0.01), n=N)
+    ref = _reference(p_logits, 0.01)
+    e = kld_exactness(variant, _sample_logprobs(original, ref), ref, n=N)
     assert e["exact_rows"] > 0 and e["tokens"] == N
     assert e["ratio_topk_only"] < e["ratio"] <= 1.0 + 1e-6
     assert abs(e["ratio"] - 1) < 0.02 < abs(e["ratio_topk_only"] - 1)
-    plain = kld_exactness(variant, original, _reference(p_logits, None), n=N)
+    ref = _reference(p_logits, None)
+    plain = kld_exactness(variant, _sample_logprobs(original, ref), ref, n=N)
     assert plain["exact_rows"] == 0 and plain["ratio"] == plain["ratio_topk_only"]
 
 
-def test_the_exactness_sample_from_the_originals_stored_log_probs_is_the_same_figure():
-    """Every variant reads the original's log-probs at the sample from one stored array (exact_sample_logprobs)
-    instead of running the original again: the figure must not change, and rows for another sample are refused."""
+def test_the_originals_stored_log_probs_must_be_those_of_the_sample():
+    """Every variant reads the original's log-probs at the sample from one stored array (exact_sample_logprobs):
+    rows for another sample are refused."""
     import pytest
-
-    from pipeline.evaluate import exact_sample
 
     p_logits, q_logits = _models()
     original, variant = FixedLogits(p_logits), FixedLogits(q_logits)
     ref = _reference(p_logits, 0.01)
-    tr, idx = exact_sample(ref, N)
-    stored = original.logprobs(tr["ids"], ref.scores[tr["id"]]["pos"][idx].tolist())
-    assert kld_exactness(variant, stored, ref, n=N) == kld_exactness(variant, original, ref, n=N)
+    stored = _sample_logprobs(original, ref)
     with pytest.raises(ValueError, match="rows of the original's log-probs for a sample of"):
         kld_exactness(variant, stored[:-1], ref, n=N)

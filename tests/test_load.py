@@ -512,7 +512,7 @@ def test_the_levels_the_knee_rule_cannot_stop_run_in_one_guidellm_invocation(tmp
     rows = loadgen.run_guidellm("http://x", prompts, levels=[1, 2, 4, 8, 16], stop=lambda r: len(r) >= 3, grouped=3,
                                **kw)
     assert [r["concurrency"] for r in rows] == [1, 2, 4] and [s for s, _, _ in calls] == [[1, 2, 4]]
-    assert loadgen.level_groups([4, 1]) == [[1, 4]] and loadgen.level_groups([]) == []
+    assert loadgen.level_groups([4, 1], 3) == [[1, 4]] and loadgen.level_groups([], 3) == []
 
     def wrong_levels(cmd):
         fake_run(cmd)
@@ -674,7 +674,7 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
     monkeypatch.setattr(loadgen, "guidellm_exe", lambda: Path("guidellm"))
     monkeypatch.setattr(loadgen, "parse_guidellm", lambda rep: [
         {"concurrency": c, "completed": 4, "output_tokens_per_s": flat[c]} for c in rep["c"]])
-    from pipeline.load import past_the_knee
+    from pipeline.load import KNEE_RULE_LEVELS, past_the_knee
 
     prompts = [f"p{i}" for i in range(loadgen.prompts_needed([1, 2, 4, 8, 16], 4, 2))]
     assert len(prompts) == 4 + 4 + 8 + 16 + 32
@@ -682,7 +682,7 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
     got = loadgen.run_guidellm("http://x", prompts, levels=[1, 2, 4, 8, 16], output_tokens=4, request_body={},
                                requests_per_stream=2, min_requests=4, max_seconds=10, workdir=tmp_path,
                                stop=lambda rows: past_the_knee(rows, 0.10), idle=lambda: idled.append(len(ran)),
-                               grouped=loadgen.UNSTOPPABLE_LEVELS)
+                               grouped=KNEE_RULE_LEVELS)
     # 1/2/4 in one invocation (the rule needs three levels); flat, so the climb ends before 8
     assert ran == [[1, 2, 4]] and [r["concurrency"] for r in got] == [1, 2, 4]
     assert idled == [0]                     # the engine was waited for before every invocation
