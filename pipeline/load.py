@@ -29,7 +29,7 @@ from pipeline.errors import ConfigError, Skip
 from pipeline.memory import status_mb
 from pipeline.probe import OtherCpu
 from pipeline.stats import median_interval
-from pipeline.store import Journal, read_json, run_stage, stable_hash, write_json
+from pipeline.store import Journal, load_manifest, read_json, run_stage, stable_hash, write_json
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,10 @@ def run_load(cfg, generate=None) -> dict:
         plan["version"] = versions.setdefault(engine.name, engine.version(cfg))
     prompts = {d: load_prompts(renderer, suites, d, trial_prompts(plans, lc)) for d in depths} if plans else {}
     run_dir = cfg.model_dir / "runs" / cfg.run.name
-    out_dir, logs = run_dir / "load", run_dir / "load-logs"
+    # every sweep profile keeps its own stage (and its journal): a short sweep completed by `make compare` must not
+    # replace, nor wipe the resumable trials of, the full one `make load` measures in the same run
+    out_dir = run_dir / sweep_stage(lc.name)
+    logs = out_dir.with_name(f"{out_dir.name}-logs")
     key = {"variants": {n: {"engine": p["engine"].name, **{k: p[k] for k in ("settings", "levels", "ctx_per_slot",
                                                                           "file_hash")}}
                         for n, p in plans.items()},
@@ -349,8 +352,44 @@ def run_load(cfg, generate=None) -> dict:
     run_stage("load", out_dir, key, build, force=cfg.force)
     result = read_json(out_dir / "load.json")
     result["logs"] = str(logs)
+    wider = wider_sweep(run_dir, out_dir, key)
+    if wider is not None:
+        log.info("load: the report keeps the %s sweep of this run (%s): it measured the same files at every depth and "
+                 "level of this one and more", wider.name, wider)
+        result = {**read_json(wider / "load.json"), "logs": str(wider.with_name(f"{wider.name}-logs"))}
     write_json(cfg.results_dir / "load.json", result)
     return result
+
+
+def sweep_stage(profile: str) -> str:
+    """The stage folder of a sweep profile inside a run: ``load`` for the short sweep (``make compare``),
+    ``load-NAME`` for any other (``load-full``: ``make load``)."""
+    return "load" if profile == "short" else f"load-{profile}"
+
+
+def wider_sweep(run_dir: Path, out_dir: Path, key: dict) -> Path | None:
+    """Another completed sweep of this run that served every variant this one served, from the same files with the
+    same engines and settings (threads, KV types, ...), at every depth and concurrency level this one measured,
+    and at more (the full sweep beside the short one): the run's report shows it. None when there is none."""
+    def plans(k: dict) -> dict:
+        return {n: (p.get("engine"), p.get("file_hash"), stable_hash(p.get("settings"))) for n, p in
+                k.get("variants", {}).items()}
+
+    def reach(k: dict) -> tuple[set, set]:
+        return set(k.get("depths", [])), {c for p in k.get("variants", {}).values() for c in p.get("levels", [])}
+
+    depths, levels = reach(key)
+    wider = []
+    for other in sorted(run_dir.glob("load*")):
+        manifest = load_manifest(other) if other != out_dir and (other / "load.json").is_file() else None
+        k = (manifest or {}).get("key")
+        theirs = plans(k) if k and manifest.get("stage") == "load" else {}
+        if not theirs or any(theirs.get(n) != v for n, v in plans(key).items()):
+            continue
+        d, lv = reach(k)
+        if d >= depths and lv >= levels and (d, lv) != (depths, levels):
+            wider.append((len(d), max(lv, default=0), other))
+    return max(wider)[2] if wider else None
 
 
 def serve_trial(plan: dict, depths: list[int], prompts: dict, lc, gpu: bool, generate, log_path: Path) -> dict:

@@ -313,6 +313,19 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     calls.clear()
     run_load(cfg, generate=generate)
     assert calls == []
+    # `make load` measures the full sweep in a stage of its own; the short one, still cached beside it, then leaves
+    # the wider sweep in the run's results (a `make compare` after `make load` must not hide it)
+    full = tiny_cfg("command=load", "run.variants=[original,original+kv_int8,gguf_q8_0]", "load=full",
+                    "load.repeats=1", "load.concurrency=[1,2,4]", "load.depths=[64]",
+                    "load.include_workload_depth=false", "load.output_tokens=4", "load.runtimes=[llamacpp]",
+                    "runtime.threads=1")
+    assert full.run.name == cfg.run.name
+    assert run_load(full, generate=generate)["profile"] == "full" and {c for _, c, _ in calls} == {1, 2, 4}
+    assert (cfg.model_dir / "runs" / cfg.run.name / "load-full" / "load.json").is_file()
+    calls.clear()
+    again = run_load(cfg, generate=generate)
+    assert calls == [] and again["profile"] == "full"
+    assert json.loads((cfg.results_dir / "load.json").read_text())["profile"] == "full"
 
 
 def _post(url: str, text: str, body: dict) -> dict:
