@@ -318,7 +318,7 @@ def run_load(cfg, generate=None) -> dict:
     # every sweep profile keeps its own stage (and its journal): a short sweep completed by `make compare` must not
     # replace, nor wipe the resumable trials of, the full one `make load` measures in the same run
     out_dir = run_dir / sweep_stage(lc.name)
-    logs = out_dir.with_name(f"{out_dir.name}-logs")
+    logs = logs_dir(out_dir)
     key = {"variants": {n: {"engine": p["engine"].name, **{k: p[k] for k in ("settings", "levels", "ctx_per_slot",
                                                                           "file_hash")}}
                         for n, p in plans.items()},
@@ -350,15 +350,20 @@ def run_load(cfg, generate=None) -> dict:
         return {"variants": len(plans), "skipped": len(skipped)}
 
     run_stage("load", out_dir, key, build, force=cfg.force)
-    result = read_json(out_dir / "load.json")
-    result["logs"] = str(logs)
-    wider = wider_sweep(run_dir, out_dir, key)
-    if wider is not None:
+    shown = wider_sweep(run_dir, out_dir, key)
+    if shown is not None:
         log.info("load: the report keeps the %s sweep of this run (%s): it measured the same files at every depth and "
-                 "level of this one and more", wider.name, wider)
-        result = {**read_json(wider / "load.json"), "logs": str(wider.with_name(f"{wider.name}-logs"))}
+                 "level of this one and more", shown.name, shown)
+    else:
+        shown = out_dir
+    result = {**read_json(shown / "load.json"), "logs": str(logs_dir(shown))}
     write_json(cfg.results_dir / "load.json", result)
     return result
+
+
+def logs_dir(stage: Path) -> Path:
+    """The folder beside a sweep's stage that keeps the logs of the servers it started."""
+    return stage.with_name(f"{stage.name}-logs")
 
 
 def sweep_stage(profile: str) -> str:

@@ -324,7 +324,7 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     assert (cfg.model_dir / "runs" / cfg.run.name / "load-full" / "load.json").is_file()
     calls.clear()
     again = run_load(cfg, generate=generate)
-    assert calls == [] and again["profile"] == "full"
+    assert calls == [] and again["profile"] == "full" and again["logs"].endswith("load-full-logs")
     assert json.loads((cfg.results_dir / "load.json").read_text())["profile"] == "full"
 
 
