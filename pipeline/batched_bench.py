@@ -212,9 +212,8 @@ def format_batched(out: dict) -> str:
     # bench.json stores the counts as string keys, which a JSON round trip may sort as strings ("16" before "4")
     for n, r in sorted(out["sequences"].items(), key=lambda kv: int(kv[0])):
         iv = r.get("ratio_interval")
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        if r["ratio"] is not None and iv:
-            ratio += f" [{iv['low']:.2f}-{iv['high']:.2f}]"
+        span = f" [{iv['low']:.2f}-{iv['high']:.2f}]" if iv else ""
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}{span}"
         tool_up = "-" if r["tool_speedup"] is None else f"{r['tool_speedup']:.2f}x"
         firsts = r.get("first_difference")
         whole = "" if firsts is None else f" ({sum(d is None for d in firsts)}/{len(firsts)} seqs)"
