@@ -3,8 +3,8 @@
 vendored source, on the same GGUF file, threads, batch size, flash-attention setting, KV layout (one buffer for
 all sequences, or one stream each: ``runtime.kv_unified``), prompt and reply lengths and numbers of sequences.
 
-Per round (rounds interleave, so drift in the machine's speed hits every path alike): llama-batched-bench over
-every number of sequences, then our single-sequence path (``generate``, what ``profile.batch=1`` uses), then our
+Per round (``bench.batched_rounds`` of them, interleaved, so drift in the machine's speed hits every path alike):
+llama-batched-bench over every number of sequences, then our single-sequence path (``generate``, what ``profile.batch=1`` uses), then our
 batched path at every number of sequences. The figure compared is the speed-up of aggregate decode tokens/s over
 single-sequence decoding, ours against llama-batched-bench's, taken round by round (both sides of a round share
 the machine's state) and reported as the median over rounds with its order-statistic range; the target
@@ -126,7 +126,7 @@ def compare_batched(cfg, variant, gguf: Path, prompts: list[list[int]]) -> dict:
             rt.reset()
             single_ids.append(rt.generate(p, b.gen_tokens, []).ids)
         rt.generate_many([(i, prompts[i], 2) for i in range(top)], [], slots=top)    # warm-up, builds the context
-        for r in range(b.rounds):
+        for r in range(b.batched_rounds):
             tool_rows = run_llama_batched_bench(exe, gguf, threads, n_batch, flash, b.prompt_tokens, b.gen_tokens,
                                                 seqs, (rt.info["cache_type_k"], rt.info["cache_type_v"]),
                                                 kv_unified=rt.info["kv_unified"])
@@ -179,7 +179,7 @@ def compare_batched(cfg, variant, gguf: Path, prompts: list[list[int]]) -> dict:
     return {
         "variant": b.batched_variant, "file": gguf.name, "threads": threads, "n_batch": n_batch,
         "flash_attn": flash, "kv_unified": rt.info["kv_unified"], "prompt_tokens": b.prompt_tokens,
-        "gen_tokens": b.gen_tokens, "rounds": b.rounds,
+        "gen_tokens": b.gen_tokens, "rounds": b.batched_rounds,
         "single_decode_tokens_per_s": single, "tool_single_decode_tokens_per_s": tool1,
         "single_rounds": [x["single"] for x in rounds], "sequences": {str(n): rows[n] for n in seqs},
         "min_ratio": b.min_ratio,

@@ -393,7 +393,8 @@ class BenchConfig:
     sequences: list = field(default_factory=lambda: [1, 4, 8, 16])
     prompt_tokens: int = 128
     gen_tokens: int = 128
-    rounds: int = 3                      # interleaved rounds: the tool, then the pipeline (both comparisons)
+    rounds: int = 3                      # interleaved rounds of the per-variant comparisons (single stream, served)
+    batched_rounds: int = 15             # interleaved rounds of the batched-decoding comparison (see conf/config.yaml)
     min_ratio: float = 0.9               # target: our speed-up / llama-batched-bench's speed-up
     llama_tools: str = ""                # folder with llama.cpp's tools; "" asks `make print-llama-tools`
     served: bool = True                  # the GGUF variants served (load settings) beside llama-batched-bench
@@ -402,7 +403,7 @@ class BenchConfig:
         _require(isinstance(self.sequences, list) and self.sequences
                  and all(isinstance(n, int) and n >= 1 for n in self.sequences),
                  "bench.sequences", self.sequences, "a non-empty list of positive integers")
-        for key in ("prompt_tokens", "gen_tokens", "rounds"):
+        for key in ("prompt_tokens", "gen_tokens", "rounds", "batched_rounds"):
             _positive_int(f"bench.{key}", getattr(self, key))
         _require(isinstance(self.min_ratio, (int, float)) and 0 < self.min_ratio <= 1, "bench.min_ratio",
                  self.min_ratio, "a number in (0, 1]")

@@ -430,6 +430,8 @@ def summarize(trials: dict, plans: dict, skipped: dict, depths: list[int], cfg, 
     the operating point); skipped variants with their reasons; the sweep's settings."""
     lc = cfg.load
     variants = {}
+    # every trial's own time, over every sitting of a resumed sweep (the stage's manifest times the last one only)
+    trials_wall_s = sum(t["wall_s"] for rounds in trials.values() for t in rounds if t and t.get("wall_s"))
     for name, rounds in trials.items():
         plan = plans[name]
         errors = [t["error"] for t in rounds if t and "error" in t]
@@ -451,7 +453,7 @@ def summarize(trials: dict, plans: dict, skipped: dict, depths: list[int], cfg, 
         variants[name] = {"status": "skipped", "reason": why}
     return rejudge({"depths": depths, "concurrency": list(lc.concurrency), "output_tokens": output_tokens(cfg),
                     "repeats": lc.repeats, "knee_gain": lc.knee_gain, "stop_past_knee": lc.stop_past_knee,
-                    "memory_budget_mb": budget_mb,
+                    "memory_budget_mb": budget_mb, "trials_wall_s": trials_wall_s,
                     "generator": generator, "profile": lc.name, "variants": variants}, cfg.workload)
 
 

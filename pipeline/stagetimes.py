@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import Config
-from pipeline.store import load_manifest
+from pipeline.store import load_manifest, read_json
 
 
 def _wall(folder: Path) -> float | None:
@@ -45,10 +45,27 @@ def reference_stages(cfg: Config) -> dict[str, float]:
     return out
 
 
+def other_sweeps(run: Path) -> dict[str, dict]:
+    """The run's load sweeps beside ``make compare``'s short one (``make load``'s full sweep, which the report then
+    shows in its place), per sweep profile: seconds, and what they cover: ``trials`` (every trial's own time, over
+    every sitting of a resumed sweep) or ``last sitting`` (the stage's wall time, from a sweep that kept no trial
+    times)."""
+    out = {}
+    for stage in sorted(p for p in run.glob("load-*") if p.is_dir()):
+        m = load_manifest(stage)
+        if not m or m.get("stage") != "load" or not (stage / "load.json").is_file():
+            continue
+        sweep = read_json(stage / "load.json")
+        trials = sweep.get("trials_wall_s")
+        out[sweep.get("profile") or stage.name] = ({"s": float(trials), "covers": "trials"} if trials else
+                                                   {"s": m.get("wall_s"), "covers": "last sitting"})
+    return out
+
+
 def run_stages(cfg: Config, names: list[str]) -> dict:
     """The run's stages in seconds: the references per suite, per variant its free-running, scoring and
-    deployment-path stages, the run-level speed and load stages, and their total (quantizing is left out: it is
-    once per model, not per run)."""
+    deployment-path stages, the run-level speed and (short) load stages, and their total (quantizing is left out:
+    it is once per model, not per run); beside them, not in the total, the run's other load sweeps."""
     run = cfg.model_dir / "runs" / cfg.run.name
     variants = {}
     for name in names:
@@ -58,4 +75,5 @@ def run_stages(cfg: Config, names: list[str]) -> dict:
     shared = {k: w for k, w in (("speed", _wall(run / "speed")), ("load", _wall(run / "load"))) if w is not None}
     references = reference_stages(cfg)
     total = sum(references.values()) + sum(sum(r.values()) for r in variants.values()) + sum(shared.values())
-    return {"references_s": references, "variants_s": variants, "run_s": shared, "total_s": total}
+    return {"references_s": references, "variants_s": variants, "run_s": shared, "total_s": total,
+            "other_sweeps": other_sweeps(run)}

@@ -149,6 +149,29 @@ def test_the_report_states_how_free_running_replies_were_decoded(tmp_path):
     assert "repetition penalty of 1.1 on the reply" in render_html(s, tmp_path, {}, [])   # ' is escaped there
 
 
+def test_the_run_time_table_names_the_short_sweep_and_lists_make_loads_sweep_outside_the_total(tmp_path):
+    from pipeline.stagetimes import other_sweeps
+    from pipeline.store import run_stage, write_json
+
+    run = tmp_path / "run"
+    for name, body in (("load", {"profile": "short", "trials_wall_s": 600.0}),
+                       ("load-full", {"profile": "full", "trials_wall_s": 14040.0}),
+                       ("load-wide", {"profile": "wide"})):       # a sweep from before trial times were kept
+        run_stage("load", run / name, {"n": name}, lambda tmp, body=body: write_json(tmp / "load.json", body))
+    (run / "load-full-logs").mkdir()
+    sweeps = other_sweeps(run)
+    assert set(sweeps) == {"full", "wide"} and sweeps["full"] == {"s": 14040.0, "covers": "trials"}
+    assert sweeps["wide"]["covers"] == "last sitting" and sweeps["wide"]["s"] >= 0
+    s = three_variants()
+    s["stage_times"] = {"references_s": {"smoke": 60.0}, "variants_s": {"q8": {"free_running": 30.0, "scoring": 30.0}},
+                        "run_s": {"speed": 120.0, "load": 600.0}, "total_s": 840.0, "other_sweeps": sweeps}
+    md = render_markdown(s, {})
+    assert "| load stage: short sweep of `make compare` (all variants) | 10.0 |" in md
+    total, full = md.index("| **total** | **14.0** |"), md.index("full sweep of `make load`")
+    assert total < full and "every sitting) | 234.0 |" in md[full:]
+    assert "kept no trial times) | 0.0 |" in md[full:]
+
+
 # ------------------------------------------------------------------------------------------ tables
 
 
