@@ -4,18 +4,19 @@ vendored source, on the same GGUF file, threads, batch size, flash-attention set
 all sequences, or one stream each: ``runtime.kv_unified``), prompt and reply lengths and numbers of sequences.
 
 Per round (``bench.batched_rounds`` of them, interleaved, so drift in the machine's speed hits every path alike):
-llama-batched-bench over every number of sequences, then our single-sequence path (``generate``, what ``profile.batch=1`` uses), then our
-batched path at every number of sequences. The figure compared is the speed-up of aggregate decode tokens/s over
-single-sequence decoding, ours against llama-batched-bench's, taken round by round (both sides of a round share
-the machine's state) and reported as the median over rounds with its order-statistic range; the target
-(``bench.min_ratio``) is met where the whole range lies at or above it, missed where it lies below, and undecided
-where the range straddles it. Our prompts are real business text (distinct windows of the suites' turns); llama-batched-bench
-feeds random ids: decode cost does not depend on which ids are fed. Also measured: the greedy tokens of the
-batched path against single-sequence decoding on the same prompts (batched float arithmetic may differ in the
-last bits) and whether two batched runs give the same tokens. The agreement is measured two ways: free running
-(each path continues its own tokens, so one early difference changes every later position; also counted as
-whole sequences identical), and after the same history (the batched path decodes on single-sequence decoding's
-tokens and its pick at every position is compared with single's: how often the last bits change a choice).
+llama-batched-bench over every number of sequences, then our single-sequence path (``generate``, what
+``profile.batch=1`` uses), then our batched path at every number of sequences. The figure compared is the speed-up
+of aggregate decode tokens/s over single-sequence decoding, ours against llama-batched-bench's, taken round by round
+(both sides of a round share the machine's state) and reported as the median over rounds with its order-statistic
+range; the target (``bench.min_ratio``) is met where the whole range lies at or above it, missed where it lies
+below, and undecided where the range straddles it. Our prompts are real business text (distinct windows of the
+suites' turns); llama-batched-bench feeds random ids: decode cost does not depend on which ids are fed. Also
+measured: the greedy tokens of the batched path against single-sequence decoding on the same prompts (batched float
+arithmetic may differ in the last bits) and whether two batched runs give the same tokens. The agreement is measured
+two ways: free running (each path continues its own tokens, so one early difference changes every later position;
+also counted as whole sequences identical), and after the same history (the batched path decodes on single-sequence
+decoding's tokens and its pick at every position is compared with single's: how often the last bits change a
+choice).
 """
 
 from __future__ import annotations

@@ -360,9 +360,9 @@ def _run_time_section(summary: dict):
     label = {"load": "load stage: short sweep of `make compare` (all variants)"}
     rows += [[label.get(k, f"{k} stage (all variants)"), m(w), "", ""] for k, w in t["run_s"].items()]
     rows.append(["**total**", f"**{m(t['total_s'])}**", "", ""])
-    covers = {"trials": "its trials, every sitting", "last sitting": "its last sitting only: a resumed sweep that "
-              "kept no trial times"}
-    rows += [[f"load stage: {p} sweep of `make load` (all variants; not in the total: {covers[o['covers']]})",
+    covers = {"trials": "its trials, every sitting", "last sitting": "its last sitting only, from a resumed sweep "
+              "that kept no trial times"}
+    rows += [[f"load stage: {p} sweep of `make load` (all variants; not in the total; {covers[o['covers']]})",
               m(o["s"]), "", ""] for p, o in (t.get("other_sweeps") or {}).items()]
     return ("run-time", "Run time", [
         "Minutes per stage, each stage's own build time from its manifest (a stage reused from an earlier run counts "
