@@ -372,6 +372,16 @@ def sweep_stage(profile: str) -> str:
     return "load" if profile == "short" else f"load-{profile}"
 
 
+def completed_sweeps(run_dir: Path) -> list[tuple[Path, dict]]:
+    """Every completed load sweep of a run, whatever its profile: its stage folder and manifest, in name order."""
+    out = []
+    for stage in sorted(run_dir.glob("load*")):
+        manifest = load_manifest(stage) if (stage / "load.json").is_file() else None
+        if manifest and manifest.get("stage") == "load":
+            out.append((stage, manifest))
+    return out
+
+
 def wider_sweep(run_dir: Path, out_dir: Path, key: dict) -> Path | None:
     """Another completed sweep of this run that served every variant this one served, from the same files with the
     same engines and settings (threads, KV types, ...), at every depth and concurrency level this one measured,
@@ -385,10 +395,9 @@ def wider_sweep(run_dir: Path, out_dir: Path, key: dict) -> Path | None:
 
     depths, levels = reach(key)
     wider = []
-    for other in sorted(run_dir.glob("load*")):
-        manifest = load_manifest(other) if other != out_dir and (other / "load.json").is_file() else None
-        k = (manifest or {}).get("key")
-        theirs = plans(k) if k and manifest.get("stage") == "load" else {}
+    for other, manifest in completed_sweeps(run_dir):
+        k = manifest.get("key") if other != out_dir else None
+        theirs = plans(k) if k else {}
         if not theirs or any(theirs.get(n) != v for n, v in plans(key).items()):
             continue
         d, lv = reach(k)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import Config
+from pipeline.load import completed_sweeps, sweep_stage
 from pipeline.store import load_manifest, read_json
 
 
@@ -51,9 +52,8 @@ def other_sweeps(run: Path) -> dict[str, dict]:
     every sitting of a resumed sweep) or ``last sitting`` (the stage's wall time, from a sweep that kept no trial
     times)."""
     out = {}
-    for stage in sorted(p for p in run.glob("load-*") if p.is_dir()):
-        m = load_manifest(stage)
-        if not m or m.get("stage") != "load" or not (stage / "load.json").is_file():
+    for stage, m in completed_sweeps(run):
+        if stage.name == sweep_stage("short"):
             continue
         sweep = read_json(stage / "load.json")
         trials = sweep.get("trials_wall_s")

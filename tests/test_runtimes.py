@@ -299,8 +299,8 @@ def test_batched_path_measured_beside_llama_batched_bench(built, kv_unified):
     tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
     base = tok(TEXT, add_special_tokens=False)["input_ids"]
     prompts = [base[i * 5:i * 5 + 16] for i in range(3)]
-    cfg = dataclasses.replace(cfg, bench=BenchConfig(sequences=[1, 3], prompt_tokens=16, gen_tokens=12, batched_rounds=2),
-                              runtime=dataclasses.replace(cfg.runtime, kv_unified=kv_unified))
+    bench = BenchConfig(sequences=[1, 3], prompt_tokens=16, gen_tokens=12, batched_rounds=2)
+    cfg = dataclasses.replace(cfg, bench=bench, runtime=dataclasses.replace(cfg.runtime, kv_unified=kv_unified))
     out = compare_batched(cfg, VariantConfig(name="q8", runtime="llamacpp"), gguf_file(arts["Q8_0"].path), prompts)
     assert out["kv_unified"] is kv_unified
     assert set(out["sequences"]) == {"1", "3"}
