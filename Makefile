@@ -36,9 +36,14 @@ else
   TORCH_INSTALL := torch==$(TORCH_VERSION)
   LLAMA_CMAKE ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 endif
-# The compiled wheel is kept outside the project, keyed by version and build, so fresh clones and CI reuse it.
+# Compiled caches (the llama-cpp-python wheel, llama.cpp's tools) are kept outside the project, keyed by version,
+# build and the CPU features they were compiled on, so fresh clones and CI on the same kind of machine reuse them
+# and a cache restored onto a runner with another CPU (another instruction set: SIGILL) is rebuilt instead.
+CPU_FEATURES := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | \
+  grep -xE 'sse4_2|avx|avx2|fma|f16c|bmi2|avx_vnni|avx512[a-z0-9_]*|amx[a-z0-9_]*' | sort | tr '\n' ' ')
+CPU_KEY := $(shell printf '%s' '$(CPU_FEATURES)' | sha1sum | cut -c1-8)
 WHEEL_CACHE ?= $(HOME)/.cache/quantdrift/wheels
-LLAMA_WHEELS := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(TORCH)
+LLAMA_WHEELS := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(TORCH)-cpu$(CPU_KEY)
 
 # A bare name selects conf/model/NAME.yaml; anything else (a folder, a .gguf file, a hub id) is a source of the
 # `local` model group, whose name follows the source (the folder or file name names artifacts/ and results/).
@@ -49,7 +54,7 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare load report test bench calibration llmc-env print-llmc-python clean-venv converter llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools
+.PHONY: setup compare load report test bench calibration llmc-env print-llmc-python clean-venv converter llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key
 
 setup: $(VENV)/.installed
 
@@ -78,10 +83,10 @@ $(LLAMA_WHEELS)/.built:
 # GGML_BACKEND_DL with GGML_CPU_ALL_VARIANTS, one CPU module per x86 level, ggml loading the best this CPU has
 # (zen4 on an AVX-512 EPYC: 1.1-1.2x decode, 1.2-1.5x prefill over the AVX2 baseline). ggml picks by CPUID alone,
 # so the build then runs the chosen module once and deletes any that dies (SIGILL where a VM advertises AMX or
-# AVX-512 its OS does not grant): `python -m pipeline.prune_cpu`. The pipeline's llama.cpp runtime loads
-# these same libraries (pipeline.llamatools.use_tool_libraries), so both sides of every cross-check run the same
+# AVX-512 its OS does not grant): `python -m pipeline.infra.prune_cpu`. The pipeline's llama.cpp runtime loads
+# these same libraries (pipeline.infra.llama_tools.use_tool_libraries), so both sides of every cross-check run the same
 # kernels.
-LLAMA_TOOLS ?= $(HOME)/.cache/quantdrift/llama-tools/$(LLAMA_CPP_VERSION)-$(TORCH)-dl
+LLAMA_TOOLS ?= $(HOME)/.cache/quantdrift/llama-tools/$(LLAMA_CPP_VERSION)-$(TORCH)-dl-cpu$(CPU_KEY)
 LLAMA_TOOL_TARGETS ?= llama-perplexity llama-bench llama-batched-bench llama-server llama-quantize llama-imatrix
 ifeq ($(TORCH),cuda)
   LLAMA_TOOLS_CMAKE ?= -DLLAVA_BUILD=OFF -DGGML_CUDA=on -DGGML_NATIVE=OFF
@@ -104,10 +109,12 @@ $(LLAMA_TOOLS)/.built: | $(VENV)/.installed
 	cmake --build $(LLAMA_TOOLS)/build -j2 --target $(LLAMA_TOOL_TARGETS) > $(LLAMA_TOOLS)/build.log
 	cp -a $(LLAMA_TOOLS)/build/bin/. $(LLAMA_TOOLS)/bin/
 	rm -rf $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/build
-	$(PY) -m pipeline.prune_cpu $(LLAMA_TOOLS)/bin
+	$(PY) -m pipeline.infra.prune_cpu $(LLAMA_TOOLS)/bin
 	touch $@
 print-llama-tools:
 	@echo $(LLAMA_TOOLS)/bin
+print-cpu-key:
+	@echo $(CPU_KEY): $(CPU_FEATURES)
 
 # llm-compressor (the second AWQ producer, variant awq_w4_llmc) pins transformers and compressed-tensors versions the
 # main environment does not use: its own virtual environment, kept outside the project like the wheels (1-3 min,
@@ -144,7 +151,7 @@ IMATRIX_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
 LLMC_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
   grep -qs '^quantizer: *llmcompressor' conf/variant/$${v%%+*}.yaml && echo $$v; done)
 
-# The served-load sweep (pipeline/load.py): the llama.cpp variants on llama-server (make llama-tools), the HF-format
+# The served-load sweep (pipeline/stages/load.py): the llama.cpp variants on llama-server (make llama-tools), the HF-format
 # ones on `transformers serve --continuous-batching`, under guidellm's concurrent load. `make compare` runs the short
 # sweep (conf/load/short.yaml: llama.cpp variants only; full with PROFILE=full), `make load` the full one
 # (conf/load/full.yaml, every runtime). LOAD_ARGS: e.g. "workload=batch" or "load.concurrency=[1,2,4,8]".

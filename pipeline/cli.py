@@ -18,7 +18,9 @@ from __future__ import annotations
 import logging
 import sys
 
-from pipeline.config import PROJECT_ROOT, Config, ConfigError, register_resolvers
+from pipeline.config.schema import PROJECT_ROOT, Config
+from pipeline.infra.errors import ConfigError
+from pipeline.config.compose import register_resolvers
 
 log = logging.getLogger("quantdrift")
 
@@ -30,7 +32,7 @@ _exit_code = 0
 
 
 def _evaluate(cfg: Config) -> int:
-    from pipeline.run import evaluate_job
+    from pipeline.stages.variant_job import evaluate_job
 
     result = evaluate_job(cfg)
     log.info("%s: %s%s", result["variant"], result["status"], f" ({result['reason']})" if result.get("reason") else "")
@@ -38,7 +40,7 @@ def _evaluate(cfg: Config) -> int:
 
 
 def _report(cfg: Config) -> int:
-    from pipeline.report import write_report
+    from pipeline.stages.report import write_report
 
     summary = write_report(cfg)
     rec = summary["recommendation"]
@@ -52,13 +54,13 @@ def _report(cfg: Config) -> int:
 
 
 def _regress(cfg: Config) -> int:
-    from pipeline.regress import run_regress
+    from pipeline.decide.nightly_gate import run_regress
 
     return run_regress(cfg)
 
 
 def _baseline(cfg: Config) -> int:
-    from pipeline.regress import promote
+    from pipeline.decide.nightly_gate import promote
 
     if not cfg.regress.promote:
         raise ConfigError("baseline: expected `quantdrift baseline promote RUN` (RUN: a folder under "
@@ -67,19 +69,19 @@ def _baseline(cfg: Config) -> int:
 
 
 def _corpus(cfg: Config) -> int:
-    from pipeline.corpus import run_corpus
+    from pipeline.measure.corpus_kld import run_corpus
 
     return run_corpus(cfg)
 
 
 def _bench(cfg: Config) -> int:
-    from pipeline.bench import run_bench
+    from pipeline.measure.bench import run_bench
 
     return run_bench(cfg)
 
 
 def _calibration(cfg: Config) -> int:
-    from pipeline.calibration_sweep import run_sweep
+    from pipeline.measure.calibration_sweep import run_sweep
 
     sweep = run_sweep(cfg)
     for r in sweep["rows"]:
@@ -92,7 +94,7 @@ def _calibration(cfg: Config) -> int:
 
 
 def _prepare(cfg: Config) -> int:
-    from pipeline.prepare import prepare
+    from pipeline.stages.prepare import prepare
 
     original = prepare(cfg.model, cfg.model_dir, force=cfg.force)
     print(f"original: {original.checkpoint}")
@@ -100,7 +102,8 @@ def _prepare(cfg: Config) -> int:
 
 
 def _load(cfg: Config) -> int:
-    from pipeline.load import format_load, run_load
+    from pipeline.measure.served_load import format_load
+    from pipeline.stages.load import run_load
 
     result = run_load(cfg)
     print(format_load(result))
@@ -119,8 +122,8 @@ COMMANDS = {"evaluate": _evaluate, "report": _report, "regress": _regress, "base
 
 def run(cfg: Config) -> int:
     """Run one command on a typed config; returns the exit code. Tests call this directly."""
-    from pipeline.offline import configure
-    from pipeline.prepare import classify_source
+    from pipeline.infra.offline import configure
+    from pipeline.stages.prepare import classify_source
 
     kind, _ = classify_source(cfg.model.source)
     configure(needs_hub=kind == "hub")
@@ -145,7 +148,7 @@ def _translate(argv: list[str]) -> list[str]:
 
 def _task(dcfg) -> None:
     global _exit_code
-    from pipeline.config import from_omegaconf
+    from pipeline.config.compose import from_omegaconf
 
     try:
         cfg = from_omegaconf(dcfg)

@@ -13,8 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from pipeline.config import PROJECT_ROOT, from_omegaconf, register_resolvers  # noqa: E402
-from pipeline.prune_cpu import embedded_gguf  # noqa: E402
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.config.compose import from_omegaconf, register_resolvers  # noqa: E402
+from pipeline.infra.prune_cpu import embedded_gguf  # noqa: E402
 
 EMBEDDED = embedded_gguf()            # conf/model/smollm2.yaml's packaged GGUF
 
@@ -33,7 +34,7 @@ def compose(overrides: list[str]):
 
 @pytest.fixture(scope="session")
 def embedded_gguf() -> Path:
-    from pipeline.prepare import locate_packaged_file
+    from pipeline.stages.prepare import locate_packaged_file
 
     return locate_packaged_file(EMBEDDED)
 

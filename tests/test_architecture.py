@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import PROJECT_ROOT, ConfigError
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.infra.errors import ConfigError
 from tests.conftest import compose
 
 PIPELINE = PROJECT_ROOT / "pipeline"
@@ -23,15 +24,11 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (isinstance(t, ast.Attribute)
-                                                                      and t.attr == "TYPE_CHECKING")
-
-
 def import_graph() -> dict[str, set[str]]:
-    """module -> the pipeline modules it imports anywhere (module level or inside functions); imports under
-    `if TYPE_CHECKING:` are annotations only, never executed, and do not count."""
+    """module -> the pipeline modules it imports anywhere: at module level, inside functions, and under
+    ``if TYPE_CHECKING:`` (an annotation's import is a dependency too: it is what makes a cycle of the code's
+    meaning, whether or not it runs). The packages that load backends by name (importlib: quantizers, runtimes,
+    servers) have an edge to every backend their registry lines name."""
     modules = {_module_name(p): p for p in PIPELINE.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
 
@@ -41,12 +38,7 @@ def import_graph() -> dict[str, set[str]]:
         return name or None
 
     for mod, path in modules.items():
-        tree = ast.parse(path.read_text())
-        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
-                for n in ast.walk(node)}
-        for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
+        for node in ast.walk(ast.parse(path.read_text())):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -58,11 +50,12 @@ def import_graph() -> dict[str, set[str]]:
                     r = resolve(t)
                     if r and r != mod and not (mod.startswith(r + ".") and r == "pipeline"):
                         graph[mod].add(r)
-    # pipeline.registry imports every backend by name (importlib): those are edges too.
-    from pipeline.backends import QUANTIZERS, RUNTIMES
+    from pipeline.config.backends import QUANTIZERS, RUNTIMES, SERVERS
 
-    for backend in (*QUANTIZERS.values(), *RUNTIMES.values()):
-        graph["pipeline.registry"].add(resolve(backend.target.split(":")[0]))
+    for package, table in (("pipeline.quantizers", QUANTIZERS), ("pipeline.runtimes", RUNTIMES),
+                           ("pipeline.servers", SERVERS)):
+        for backend in table.values():
+            graph[package].add(resolve(backend.target.split(":")[0]))
     return graph
 
 
@@ -90,8 +83,22 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_among_pipeline_modules():
     graph = import_graph()
-    assert "pipeline.errors" in graph["pipeline.config"] and "pipeline.quantizers.gguf" in graph["pipeline.registry"]
+    assert "pipeline.infra.errors" in graph["pipeline.config.schema"]
+    assert "pipeline.quantizers.gguf" in graph["pipeline.quantizers"]
+    assert "pipeline.config.schema" in graph["pipeline.quantizers.base"]      # a TYPE_CHECKING import counts
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_tree_reads_like_the_pipeline():
+    """At most 12 entries at the top of the package (the stages in one package, measurement in another, ...), and
+    no module long enough to hold two ideas."""
+    top = sorted(p.name for p in PIPELINE.iterdir() if p.name != "__pycache__")
+    assert len(top) <= 12, top
+    stages = {p.stem for p in (PIPELINE / "stages").glob("*.py")}
+    assert {"prepare", "quantize", "reference", "evaluate", "score", "checks", "speed", "load", "report"} <= stages
+    long = {str(p.relative_to(PIPELINE)): n for p in PIPELINE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -101,8 +108,10 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_leaf_modules_import_nothing_from_the_pipeline():
     graph = import_graph()
-    for leaf in ("pipeline.errors", "pipeline.catalogue", "pipeline.settings", "pipeline.backends"):
-        assert graph[leaf] <= {"pipeline.errors"}, (leaf, graph[leaf])
+    for leaf in ("pipeline.infra.errors", "pipeline.config.summary_contract", "pipeline.config.settings",
+                 "pipeline.config.backends", "pipeline.infra.gguf_file", "pipeline.infra.files",
+                 "pipeline.measure.drift", "pipeline.suites.checks"):
+        assert graph[leaf] <= {"pipeline.infra.errors"}, (leaf, graph[leaf])
 
 
 def test_no_module_outside_the_backends_names_a_backend():
@@ -116,7 +125,7 @@ def test_no_module_outside_the_backends_names_a_backend():
     offenders = []
     for path in PIPELINE.rglob("*.py"):
         rel = path.relative_to(PIPELINE).as_posix()
-        if rel.startswith(("runtimes/", "quantizers/")):
+        if rel.startswith(("runtimes/", "quantizers/", "servers/")):
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line):
@@ -126,17 +135,17 @@ def test_no_module_outside_the_backends_names_a_backend():
 
 def test_command_table_matches_the_config():
     from pipeline.cli import COMMANDS
-    from pipeline.config import Config
+    from pipeline.config.schema import Config
 
     assert set(COMMANDS) == set(Config.COMMANDS)
 
 
 def test_published_schema_is_generated_from_the_catalogue():
-    from pipeline.catalogue import SCHEMA_FILE, summary_schema
+    from pipeline.config.summary_contract import SCHEMA_FILE, summary_schema
 
     published = json.loads((PROJECT_ROOT / SCHEMA_FILE).read_text())
     assert published == summary_schema(), (f"{SCHEMA_FILE} is stale: regenerate it with "
-                                            "`python -m pipeline.catalogue > schema/summary.schema.json`")
+                                            "`python -m pipeline.config.summary_contract > schema/summary.schema.json`")
 
 
 def test_regress_tolerances_are_catalogue_metrics_with_their_direction():

@@ -1,4 +1,5 @@
-"""No orphan: a child started through pipeline.children dies with the run, also when the run is SIGKILLed."""
+"""No orphan: a child started through pipeline.infra.child_processes dies with the run, also when the run is
+SIGKILLed."""
 
 import os
 import signal
@@ -10,7 +11,7 @@ import pytest
 
 PARENT = """
 import subprocess, sys, time
-from pipeline.children import child_options
+from pipeline.infra.child_processes import child_options
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], **child_options())
 print(child.pid, flush=True)
 time.sleep(120)
@@ -29,7 +30,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_child_does_not_outlive_a_killed_run(sig):
-    from pipeline.config import PROJECT_ROOT
+    from pipeline.config.schema import PROJECT_ROOT
 
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT,
                               env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
@@ -58,7 +59,7 @@ time.sleep(float(sys.argv[1]))
 
 SUPERVISING_PARENT = """
 import subprocess, sys, time
-from pipeline.children import supervised, supervised_options
+from pipeline.infra.child_processes import supervised, supervised_options
 cmd = supervised([sys.executable, "-c", {spawner!r}, sys.argv[1]])
 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **supervised_options())
 print(proc.stdout.readline().strip(), flush=True)
@@ -68,7 +69,7 @@ print(proc.wait() if sys.argv[1] == "0" else time.sleep(120), flush=True)
 
 def _supervising_parent(wait: str) -> tuple[subprocess.Popen, int]:
     """A run that starts SPAWNER supervised (``wait``: its seconds to live) and reports the spawned worker's pid."""
-    from pipeline.config import PROJECT_ROOT
+    from pipeline.config.schema import PROJECT_ROOT
 
     parent = subprocess.Popen([sys.executable, "-c", SUPERVISING_PARENT.format(spawner=SPAWNER), wait],
                               stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT,

@@ -3,7 +3,9 @@ import sys
 
 import pytest
 
-from pipeline.config import PROJECT_ROOT, ConfigError, known_variants, load_variant
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.infra.errors import ConfigError
+from pipeline.config.compose import known_variants, load_variant
 from tests.conftest import compose
 
 EXPECTED_VARIANTS = {"original", "gguf_f16", "gguf_q8_0", "gguf_q6_k", "gguf_q5_k_m", "gguf_q4_k_m", "gguf_q4_0"}
@@ -88,12 +90,13 @@ def test_every_setting_is_in_every_yaml_so_the_command_line_can_override_it(grou
 
     import yaml
 
-    import pipeline.config as config
+    import pipeline.config.commands as commands
+    import pipeline.config.schema as schema
 
-    fields = {f.name for f in dataclasses.fields(getattr(config, cls_name))}
+    fields = {f.name for f in dataclasses.fields(getattr(schema, cls_name, None) or getattr(commands, cls_name))}
     for path in sorted((PROJECT_ROOT / "conf" / group).glob("*.yaml")):
         data = yaml.safe_load(path.read_text())
         assert not fields - set(data), f"{path.name} lacks {sorted(fields - set(data))}"
         if group == "profile":
-            speed = {f.name for f in dataclasses.fields(config.SpeedConfig)}
+            speed = {f.name for f in dataclasses.fields(schema.SpeedConfig)}
             assert not speed - set(data["speed"]), f"{path.name} speed lacks {sorted(speed - set(data['speed']))}"

@@ -7,8 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline.config import ConfigError, PROJECT_ROOT
-from pipeline.corpus import chunk_plan, corpus_drift
+from pipeline.infra.errors import ConfigError
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.measure.corpus_kld import chunk_plan, corpus_drift
 
 
 def test_chunk_plan_matches_llama_perplexity():
@@ -29,7 +30,7 @@ class _Uniformish:
 
     def logprobs(self, ids, positions):
         self.calls.append((list(ids), list(positions)))
-        from pipeline.metrics import log_softmax
+        from pipeline.measure.drift import log_softmax
 
         logits = np.zeros((len(positions), 200))
         logits[:, 3] = 2.0 + self.shift
@@ -67,8 +68,8 @@ def test_corpus_command_prints_llama_cpp_style_json(tmp_path, tiny_llama):
 
 def _llama_tool(name: str):
     """A llama.cpp tool built by `make llama-tools` from the same vendored source as the wheel, or None."""
-    from pipeline.errors import ConfigError
-    from pipeline.llamatools import tool
+    from pipeline.infra.errors import ConfigError
+    from pipeline.infra.llama_tools import tool
 
     try:
         return str(tool(name))
@@ -97,10 +98,10 @@ def test_corpus_agrees_with_llama_perplexity_on_the_same_files(tmp_path, tiny_ll
     perplexity = _llama_tool("llama-perplexity")
     if perplexity is None:
         pytest.skip("llama-perplexity is not built: run `make llama-tools` (make test does)")
-    from pipeline.prepare import prepare
-    from pipeline.quantizers import build_artifact
-    from pipeline.reference import f16_variant
-    from pipeline.config import load_variant
+    from pipeline.stages.prepare import prepare
+    from pipeline.stages.quantize import build_artifact
+    from pipeline.stages.reference import f16_variant
+    from pipeline.config.compose import load_variant
     from tests.conftest import compose
 
     text = tmp_path / "notes.txt"

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from pipeline.aggregate import degenerate, free_running_figures
-from pipeline.decision import decide
-from pipeline.config import DecisionConfig
-from pipeline.decision import dominator, pareto_front
-from pipeline.stats import bootstrap_ratio, conversation_intervals
+from pipeline.report.variant_summary import degenerate, free_running_figures
+from pipeline.decide.recommendation import decide
+from pipeline.config.commands import DecisionConfig
+from pipeline.decide.recommendation import dominator, pareto_front
+from pipeline.measure.stats import bootstrap_ratio, conversation_intervals
 
 
 def test_bootstrap_resamples_conversations_deterministically():
@@ -98,7 +98,7 @@ def test_decision_presets_compose(preset):
 
 # ------------------------------------------------------------------ intervals, not noise (issue 12)
 
-from pipeline.stats import median_interval, minimum_detectable, paired_ratio, sign_flip_p  # noqa: E402
+from pipeline.measure.stats import median_interval, minimum_detectable, paired_ratio, sign_flip_p  # noqa: E402
 
 
 def test_sign_flip_test_is_exact_and_symmetric():

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from pipeline import metrics
-from pipeline.evaluate import exact_sample, kld_exactness, teacher_forced
-from pipeline.reference import SuiteReference
+from pipeline.measure import drift as metrics
+from pipeline.stages.score import exact_sample, kld_exactness, teacher_forced
+from pipeline.stages.reference import SuiteReference
 from pipeline.runtimes.base import FullLogitsRuntime
 
 VOCAB, N, K = 3000, 80, 32

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from pipeline import metrics
-from pipeline.config import load_variant
+from pipeline.measure import drift as metrics
+from pipeline.config.compose import load_variant
 from pipeline.quantizers.base import Skip
 from pipeline.quantizers.calibration import calibration_key
 from pipeline.quantizers.gptq import cast_unquantized, choose_group_size
@@ -28,7 +28,7 @@ def _calibration_file(path, texts):
 
 
 def test_calibration_key_follows_the_texts_used_not_the_files_place(tmp_path):
-    from pipeline.config import PROJECT_ROOT
+    from pipeline.config.schema import PROJECT_ROOT
 
     calib = tmp_path / "calibration.jsonl"
     texts = [f"Invoice INV-{i:04d} for EUR {i * 13}.50 is due on day {i % 28 + 1}." for i in range(10)]
@@ -82,9 +82,9 @@ def test_shipped_gptq_and_awq_variants_compose():
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory, tiny_tokenizer_dir):
     pytest.importorskip("gptqmodel")
-    from pipeline.config import PROJECT_ROOT
-    from pipeline.prepare import prepare
-    from pipeline.quantizers import build_artifact
+    from pipeline.config.schema import PROJECT_ROOT
+    from pipeline.stages.prepare import prepare
+    from pipeline.stages.quantize import build_artifact
     from tests.conftest import build_tiny_llama, compose
 
     root = tmp_path_factory.mktemp("gptq")

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from pipeline.config import PROJECT_ROOT
+from pipeline.config.schema import PROJECT_ROOT
 
 
 class _Proc:
@@ -32,7 +32,7 @@ def _fake_nvml(processes: dict[int, list], totals: dict[int, int]):
 def test_device_memory_reads_nvml_for_this_process_and_torch_peaks(monkeypatch):
     import torch
 
-    from pipeline.memory import device_memory
+    from pipeline.measure.memory import device_memory
 
     me = os.getpid()
     fake, calls = _fake_nvml({0: [_Proc(me + 1, 9 * 2**30)], 1: [_Proc(me, 3 * 2**30), _Proc(me + 2, 2**30)]},
@@ -56,7 +56,7 @@ def test_device_memory_reads_nvml_for_this_process_and_torch_peaks(monkeypatch):
 
 
 def test_device_memory_is_none_off_cuda_and_without_nvml(monkeypatch):
-    from pipeline.memory import device_memory, nvml_process_mb
+    from pipeline.measure.memory import device_memory, nvml_process_mb
 
     assert device_memory("cpu") is None and device_memory(None) is None
     monkeypatch.setitem(sys.modules, "pynvml", None)           # not installed: import fails
@@ -73,8 +73,8 @@ def _variant(rss_mb, device_mb=None, total_mb=None):
 
 
 def test_the_capacity_plan_uses_device_memory_and_the_devices_own_budget_on_a_gpu():
-    from pipeline.aggregate import capacity_plan
-    from pipeline.config import CapacityConfig
+    from pipeline.measure.capacity import capacity_plan
+    from pipeline.config.commands import CapacityConfig
 
     facts = {"layers": 2, "kv_heads": 1, "head_dim": 250, "params": 1e8}
     cap = CapacityConfig(memory_budget_gb=[16], context_tokens=1000, headroom=0.2)
@@ -93,7 +93,7 @@ def test_the_capacity_plan_uses_device_memory_and_the_devices_own_budget_on_a_gp
 
 
 def test_the_memory_objective_and_the_pareto_axis_read_the_device_peak_on_a_gpu():
-    from pipeline.decision import objective_value, pareto_point
+    from pipeline.decide.recommendation import objective_value, pareto_point
 
     v = _variant(rss_mb=2000, device_mb=900, total_mb=80 * 1024)
     assert objective_value(v, "memory") == 900 and pareto_point(v)[2] == 900
@@ -102,7 +102,7 @@ def test_the_memory_objective_and_the_pareto_axis_read_the_device_peak_on_a_gpu(
 
 
 def _gpu_summary():
-    from pipeline.gpucheck import VARIANTS
+    from pipeline.decide.gpu_verdict import VARIANTS
 
     variants = {}
     for n in VARIANTS:
@@ -117,7 +117,7 @@ def _gpu_summary():
 
 
 def test_gpu_check_passes_when_every_variant_ran_on_the_gpu_and_names_each_failure():
-    from pipeline.gpucheck import check
+    from pipeline.decide.gpu_verdict import check
 
     table, ok = check(_gpu_summary())
     assert ok and table.count("on the GPU") == 7 and "parity on CUDA: mean KLD 3.00e-06" in table
@@ -140,7 +140,7 @@ def test_gpu_check_passes_when_every_variant_ran_on_the_gpu_and_names_each_failu
 def test_gpu_check_main_reads_a_results_folder(tmp_path, capsys):
     import json
 
-    from pipeline.gpucheck import main
+    from pipeline.decide.gpu_verdict import main
 
     (tmp_path / "summary.json").write_text(json.dumps(_gpu_summary()))
     assert main([str(tmp_path)]) == 0
@@ -170,8 +170,8 @@ def _cfg(tmp_path, model, *extra):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["original", "original+kv_int8"])
 def test_transformers_on_cuda_generates_and_records_device_memory(tmp_path, tiny_llama, variant):
-    from pipeline.memory import device_memory
-    from pipeline.prepare import prepare
+    from pipeline.measure.memory import device_memory
+    from pipeline.stages.prepare import prepare
     from pipeline.runtimes import load_runtime
 
     cfg = _cfg(tmp_path, tiny_llama, f"variant={variant}")
@@ -189,9 +189,9 @@ def test_transformers_on_cuda_generates_and_records_device_memory(tmp_path, tiny
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["gguf_f16", "gguf_q8_0+kv_q8_0"])
 def test_llama_cpp_offloads_every_layer_on_cuda(tmp_path, tiny_llama, variant):
-    from pipeline.memory import device_memory
-    from pipeline.prepare import prepare
-    from pipeline.quantizers import build_artifact
+    from pipeline.measure.memory import device_memory
+    from pipeline.stages.prepare import prepare
+    from pipeline.stages.quantize import build_artifact
     from pipeline.runtimes import load_runtime
 
     cfg = _cfg(tmp_path, tiny_llama, f"variant={variant}")
@@ -211,9 +211,9 @@ def test_llama_cpp_offloads_every_layer_on_cuda(tmp_path, tiny_llama, variant):
 @pytest.mark.gpu
 def test_gptq_runs_on_a_cuda_kernel(tmp_path, tiny_tokenizer_dir):
     pytest.importorskip("gptqmodel")
-    from pipeline.config import load_variant
-    from pipeline.prepare import prepare
-    from pipeline.quantizers import build_artifact
+    from pipeline.config.compose import load_variant
+    from pipeline.stages.prepare import prepare
+    from pipeline.stages.quantize import build_artifact
     from pipeline.runtimes import load_runtime
     from tests.conftest import build_tiny_llama
 
@@ -234,7 +234,7 @@ def test_gptq_runs_on_a_cuda_kernel(tmp_path, tiny_tokenizer_dir):
 
 @pytest.mark.gpu
 def test_the_bandwidth_figure_is_measured_on_the_device(tmp_path, tiny_llama):
-    from pipeline.roofline import run_bandwidth
+    from pipeline.measure.bandwidth import run_bandwidth
 
     bw = run_bandwidth(_cfg(tmp_path, tiny_llama), "cuda")
     assert bw["bytes_per_s"] > 1e11 and "device-to-device" in bw["method"]

@@ -7,13 +7,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from collections import namedtuple
 from pathlib import Path
 
 import pytest
 
 from pipeline.cli import EXIT_BAD_INPUT, EXIT_VARIANT_FAILED, run
-from pipeline.config import PROJECT_ROOT, ConfigError
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.infra.errors import ConfigError
 from tests.conftest import compose
 
 pytestmark = pytest.mark.slow
@@ -73,7 +75,7 @@ def test_an_architecture_the_converter_does_not_support_skips_gguf_only(tmp_path
     cfg_json["architectures"] = ["QuantdriftTestForCausalLM"]       # transformers loads it by model_type
     (model / "config.json").write_text(json.dumps(cfg_json))
     assert run(_cfg(model, tmp_path, "variant=gguf_q4_0")) == 0
-    from pipeline.run import load_result
+    from pipeline.stages.variant_job import load_result
 
     result = load_result(_cfg(model, tmp_path, "variant=gguf_q4_0"), "gguf_q4_0")
     assert result["status"] == "skipped" and "converter does not support" in result["reason"]
@@ -142,10 +144,14 @@ def _drift(summary: dict) -> dict:
             for n, v in summary["variants"].items()}
 
 
-def _probe_workers_left(wait_s: float = 10.0) -> list[int]:
-    """Live speed-probe worker processes (``python -m pipeline.probe``), after giving the kernel's parent-death
-    signal a moment to arrive."""
+def _probe_workers_left(tag: str, wait_s: float = 10.0) -> list[int]:
+    """Live speed-probe worker processes (``python -m pipeline.measure.probe``) started by this test: those whose
+    environment carries ``QD_TEST_RUN=tag`` (inherited from the run the test started, also once a killed parent's
+    children are re-parented), after giving the kernel's parent-death signal a moment to arrive. A user's own run
+    on the same machine has no such tag and is never counted."""
     import time
+
+    mark = f"QD_TEST_RUN={tag}".encode()
 
     def live() -> list[int]:
         pids = []
@@ -154,10 +160,11 @@ def _probe_workers_left(wait_s: float = 10.0) -> list[int]:
                 continue
             try:
                 cmd = (entry / "cmdline").read_bytes().split(b"\0")
+                env = (entry / "environ").read_bytes().split(b"\0")
                 state = (entry / "stat").read_text().split(")")[-1].split()[0]
             except OSError:
                 continue
-            if b"pipeline.probe" in cmd and state != "Z":
+            if b"pipeline.measure.probe" in cmd and mark in env and state != "Z":
                 pids.append(int(entry.name))
         return pids
 
@@ -184,12 +191,14 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, ti
     for args in (sweep, report):
         assert subprocess.run(exe + args + common + paths(clean), capture_output=True, timeout=900).returncode == 0
     killed = tmp_path / "killed"
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "QD_TEST_RUN": tag}
     for args, marker in ((sweep, "convert:f16-gguf: building"), (sweep, "reference:smoke: building"),
-                         (sweep, "reference:smoke:exact_rows: building"), (sweep, "evaluate:gguf_q8_0: building"),
-                         (sweep, "score:gguf_q8_0: building"), (report, "speed: trial 2/"),
-                         (report, "report: summarising")):
+                         (sweep, "reference:smoke:logprobs: building"), (sweep, "reference:smoke:exact_rows: building"),
+                         (sweep, "evaluate:gguf_q8_0: building"), (sweep, "score:gguf_q8_0: building"),
+                         (report, "speed: trial 2/"), (report, "report: summarising")):
         proc = subprocess.Popen(exe + args + common + paths(killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+                                text=True, env=env)
         seen = False
         for line in proc.stdout:
             if marker in line:
@@ -199,7 +208,7 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, ti
         proc.wait(timeout=900)
         # strict: a renamed log line must fail here, not turn the test into a plain run
         assert seen, f"the log line {marker!r} never appeared, so nothing was killed"
-        assert not _probe_workers_left(), "a speed probe worker outlived the killed run"
+        assert not _probe_workers_left(tag), "a speed probe worker outlived the killed run"
     for args in (sweep, report):
         r = subprocess.run(exe + args + common + paths(killed), capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

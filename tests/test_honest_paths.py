@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.config import VariantConfig, load_variant
-from pipeline.evaluate import reuses_reference
+from pipeline.config.schema import VariantConfig
+from pipeline.config.compose import load_variant
+from pipeline.stages.evaluate import reuses_reference
 from pipeline.quantizers.base import Artifact
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import PROJECT_ROOT, load_variant
-from pipeline.errors import ConfigError, Skip
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.config.compose import load_variant
+from pipeline.infra.errors import ConfigError, Skip
 
 TEXT = ("Order {i} of {n} pallets ships from the Graz warehouse on day {d}; the invoice INV-{i:05d} lists a "
         "discount of {p} percent, and the customer asked us to confirm the delivery window by email before noon.")
@@ -16,7 +17,7 @@ TEXT = ("Order {i} of {n} pallets ships from the Graz warehouse on day {d}; the 
 
 @pytest.fixture(scope="module")
 def tools():
-    from pipeline.llamatools import tool
+    from pipeline.infra.llama_tools import tool
 
     try:
         return {n: tool(n) for n in ("llama-imatrix", "llama-quantize")}
@@ -25,7 +26,7 @@ def tools():
 
 
 def _setup(model: Path, root: Path):
-    from pipeline.prepare import prepare
+    from pipeline.stages.prepare import prepare
     from tests.conftest import compose
 
     cfg = compose([f"model.source={model}", "model.name=tiny", f"paths.artifacts={root / 'a'}",
@@ -41,7 +42,7 @@ def _write_calibration(path: Path, seed: int) -> None:
 
 def test_the_importance_matrix_is_computed_once_shared_and_rebuilt_when_the_calibration_text_changes(
         tools, tmp_path, tiny_llama):
-    from pipeline.quantizers import build_artifact
+    from pipeline.stages.quantize import build_artifact
 
     cfg, original = _setup(tiny_llama, tmp_path)
     calib = tmp_path / "calibration.jsonl"
@@ -73,7 +74,7 @@ def test_the_importance_matrix_is_computed_once_shared_and_rebuilt_when_the_cali
 
 def test_a_type_llama_cpp_refuses_is_skipped_with_its_own_reason(tools, tmp_path, tiny_tokenizer_dir):
     """IQ2_XXS without an importance matrix: llama-quantize bails out (rows of 256 take the IQ2 type, no fallback)."""
-    from pipeline.quantizers import build_artifact
+    from pipeline.stages.quantize import build_artifact
     from tests.conftest import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "m", tiny_tokenizer_dir, hidden=256, layers=1)
@@ -97,9 +98,9 @@ def test_llama_quantize_writes_the_same_file_as_the_in_process_quantizer(tools, 
 
 
 def test_bits_per_weight_of_a_tiny_models_files(tmp_path, tiny_llama):
-    from pipeline.quantizers import build_artifact
-    from pipeline.quantizers.base import bits_per_weight
-    from pipeline.quantizers.gguf import fallback_tensors, tensor_types
+    from pipeline.stages.quantize import build_artifact
+    from pipeline.stages.quantize import bits_per_weight
+    from pipeline.infra.gguf_file import fallback_tensors, tensor_types
 
     cfg, original = _setup(tiny_llama, tmp_path)
     params = original.facts["params"]
@@ -123,7 +124,7 @@ def _variant(kld_by_conv: dict, gguf_type: str, imatrix: bool) -> dict:
 
 
 def test_the_importance_matrix_effect_is_paired_over_conversations():
-    from pipeline.aggregate import imatrix_effects
+    from pipeline.report.variant_summary import imatrix_effects
 
     convs = [f"s/c{i}" for i in range(12)]
     plain = {c: [0.10 * (1 + i % 5) * 100, 100] for i, c in enumerate(convs)}       # conversations differ a lot

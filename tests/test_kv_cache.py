@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pipeline.aggregate import capacity_plan, kv_bytes_per_token_formula
-from pipeline.config import ConfigError, load_variant
+from pipeline.measure.capacity import capacity_plan, kv_bytes_per_token_formula
+from pipeline.infra.errors import ConfigError
+from pipeline.config.compose import load_variant
 from tests.conftest import compose
 
 SMOL = {"layers": 30, "kv_heads": 3, "head_dim": 64, "params": 134_515_008}
@@ -84,8 +85,8 @@ def test_hf_int8_cache_scores_like_it_decodes(tiny_llama):
     """Teacher-forced scoring through the quantized cache, one token per chunk, reproduces greedy decoding (with
     the run's repetition penalty) with that cache exactly; 8-bit drifts less than 4-bit; the cache holds real
     uint8 bytes."""
-    from pipeline.config import RuntimeConfig
-    from pipeline.metrics import kld_full
+    from pipeline.config.schema import RuntimeConfig
+    from pipeline.measure.drift import kld_full
     from pipeline.runtimes.hf import HFRuntime
 
     rc = RuntimeConfig()
@@ -110,7 +111,7 @@ def test_hf_int8_cache_scores_like_it_decodes(tiny_llama):
 def test_an_impossible_cache_is_skipped_with_the_reason(tiny_cfg):
     """The default tiny model has head dim 16; llama.cpp's q8_0 cache needs blocks of 32 along it."""
     from pipeline.cli import run
-    from pipeline.run import load_result
+    from pipeline.stages.variant_job import load_result
 
     cfg = tiny_cfg("variant=gguf_q8_0", "kv_cache=int8")
     assert run(cfg) == 0
@@ -122,7 +123,7 @@ def test_an_impossible_cache_is_skipped_with_the_reason(tiny_cfg):
 def test_kv_variants_end_to_end_on_both_runtimes(tmp_path, tiny_tokenizer_dir):
     """original+kv_int8 on hf and gguf_q8_0+kv_q8_0 on llama.cpp through the pipeline, then the report."""
     from pipeline.cli import run
-    from pipeline.config import PROJECT_ROOT
+    from pipeline.config.schema import PROJECT_ROOT
     from tests.conftest import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "hd32", tiny_tokenizer_dir, heads=2)      # head dim 32: q8_0 blocks fit

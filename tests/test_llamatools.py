@@ -35,7 +35,7 @@ def fake_build(folder, modules):
 
 
 def test_a_cpu_module_that_dies_is_removed_and_the_next_one_chosen(tmp_path):
-    from pipeline.llamatools import has_selectable_cpu, prune_cpu_variants
+    from pipeline.infra.llama_tools import has_selectable_cpu, prune_cpu_variants
 
     folder = fake_build(tmp_path / "bin", ["sapphirerapids", "zen4", "haswell"])
     assert has_selectable_cpu(folder)
@@ -46,7 +46,7 @@ def test_a_cpu_module_that_dies_is_removed_and_the_next_one_chosen(tmp_path):
 
 
 def test_no_runnable_cpu_module_fails_with_the_tools_output(tmp_path):
-    from pipeline.llamatools import prune_cpu_variants
+    from pipeline.infra.llama_tools import prune_cpu_variants
 
     folder = fake_build(tmp_path / "bin", ["sapphirerapids"])
     with pytest.raises(RuntimeError, match="no CPU backend found") as err:
@@ -55,7 +55,7 @@ def test_no_runnable_cpu_module_fails_with_the_tools_output(tmp_path):
 
 
 def test_the_pipeline_loads_the_tools_libraries_when_they_are_built(tmp_path, monkeypatch):
-    import pipeline.llamatools as lt
+    import pipeline.infra.llama_tools as lt
 
     folder = fake_build(tmp_path / "bin", ["zen4"])
     monkeypatch.setattr(lt, "_library_choice", [])

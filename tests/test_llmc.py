@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import run
-from pipeline.config import PROJECT_ROOT, load_variant
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.config.compose import load_variant
 from pipeline.quantizers.base import Skip
 from pipeline.quantizers.llmc import WORKER, environment_python
 
@@ -47,7 +48,7 @@ def test_the_child_runs_on_the_environments_interpreter_without_this_projects_pa
     """Wiring: the worker is started with the environment's own python, the calibration as token ids, and no
     PYTHONPATH or VIRTUAL_ENV leaking the main environment into it."""
     import pipeline.quantizers.llmc as llmc
-    from pipeline.prepare import prepare
+    from pipeline.stages.prepare import prepare
     from tests.conftest import compose
 
     python = tmp_path / "env" / "bin" / "python"
@@ -88,7 +89,7 @@ def test_an_llm_compressor_artifact_loads_scores_and_reports_its_producer_in_the
     import torch
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from pipeline import metrics
+    from pipeline.measure import drift as metrics
     from pipeline.quantizers.dequant import dense_state_dict
 
     # a tiny model whose hidden size gives AWQ group 64 (the same group as SmolLM2's)

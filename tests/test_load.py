@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.load import judge_level, knee, level_table, levels_within, operating_point, sequences_that_fit
+from pipeline.measure.served_load import judge_level, knee, level_table, levels_within, operating_point
+from pipeline.measure.capacity import sequences_that_fit
 
 
 def rows(levels: dict[int, dict]) -> list[dict]:
@@ -109,8 +110,8 @@ def test_the_capacity_plan_caps_the_concurrency_levels():
 
 
 def test_the_decision_ranks_by_throughput_at_slo_and_names_the_workload():
-    from pipeline.config import DecisionConfig
-    from pipeline.decision import decide
+    from pipeline.config.commands import DecisionConfig
+    from pipeline.decide.recommendation import decide
     from tests.test_decision import _variant as make_variant
 
     def with_load(v, thr, lo, hi, conc):
@@ -139,7 +140,7 @@ def test_the_decision_ranks_by_throughput_at_slo_and_names_the_workload():
 
 @pytest.fixture(scope="module")
 def server_exe():
-    from pipeline.llamatools import tool
+    from pipeline.infra.llama_tools import tool
 
     try:
         return tool("llama-server")
@@ -156,8 +157,8 @@ def _chat(url: str, text: str, max_tokens: int) -> dict:
 
 
 def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gguf, tmp_path):
-    from pipeline.engines.llama_server import LlamaServer
-    from pipeline.engines.server import pids_of
+    from pipeline.servers.llama_server import LlamaServer
+    from pipeline.servers.base import pids_of
 
     before = set(pids_of(server_exe))
     server = LlamaServer(server_exe, embedded_gguf, threads=1, slots=2, ctx_per_slot=256, flash_attn=True,
@@ -166,7 +167,7 @@ def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gg
         assert server.healthy()
         pid = server.proc.pid
         # warmed up before anything is measured: one short request, WARM_UP_TOKENS generated
-        from pipeline.engines.server import WARM_UP_TOKENS
+        from pipeline.servers.base import WARM_UP_TOKENS
 
         with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
             metrics = dict(line.split()[:2] for line in r.read().decode().splitlines()
@@ -185,7 +186,7 @@ def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gg
 def test_an_engine_without_a_finer_signal_is_idle_once_its_process_stops_using_the_cpu(tmp_path):
     """ServedEngine.wait_idle (transformers serve has no /slots): busy while the process burns CPU, idle soon after
     it stops; a process that never rests times out; a process that is gone is not called idle."""
-    from pipeline.engines.server import ServedEngine
+    from pipeline.servers.base import ServedEngine
 
     engine = ServedEngine(tmp_path / "model", settings={}, log_path=tmp_path / "log", startup_timeout_s=1)
     busy_then_rest = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\ntime.sleep(60)"
@@ -202,8 +203,8 @@ def test_an_engine_without_a_finer_signal_is_idle_once_its_process_stops_using_t
 
 
 def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_nothing(server_exe, tmp_path):
-    from pipeline.engines.llama_server import LlamaServer
-    from pipeline.engines.server import ServerError, pids_of
+    from pipeline.servers.llama_server import LlamaServer
+    from pipeline.servers.base import ServerError, pids_of
 
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
@@ -216,12 +217,12 @@ def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_nothing(server
 
 
 def test_no_server_outlives_a_run_killed_with_sigkill(server_exe, embedded_gguf, tmp_path):
-    from pipeline.engines.server import pids_of
+    from pipeline.servers.base import pids_of
 
     script = f"""
 import sys, time
 from pathlib import Path
-from pipeline.engines.llama_server import LlamaServer
+from pipeline.servers.llama_server import LlamaServer
 with LlamaServer(Path({str(server_exe)!r}), Path({str(embedded_gguf)!r}), threads=1, slots=1, ctx_per_slot=128,
                  flash_attn=True, log_path=Path({str(tmp_path / 'k.log')!r})) as s:
     print(s.proc.pid, flush=True)
@@ -249,8 +250,9 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     """run_load on the tiny model: gguf_q8_0 served by the real llama-server (a fresh one per round) under a load
     generator that sends real requests at each level; the original (transformers) is skipped with its reason; the
     summary, report section and plots come out; every server is stopped."""
-    from pipeline.engines.server import pids_of
-    from pipeline.load import format_load, run_load
+    from pipeline.servers.base import pids_of
+    from pipeline.measure.served_load import format_load
+    from pipeline.stages.load import run_load
 
     calls = []
 
@@ -327,7 +329,7 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     assert calls == [] and again["profile"] == "full" and again["logs"].endswith("load-full-logs")
     assert json.loads((cfg.results_dir / "load.json").read_text())["profile"] == "full"
     # the run's time table: the short sweep in the total, the full one beside it with its trials' own time
-    from pipeline.stagetimes import run_stages
+    from pipeline.report.stage_times import run_stages
 
     times = run_stages(cfg, ["gguf_q8_0"])
     assert times["run_s"]["load"] > 0 and times["total_s"] >= times["run_s"]["load"]
@@ -347,8 +349,9 @@ def test_hf_variants_are_served_by_transformers_serve_and_the_int8_cache_is_skip
     --continuous-batching` (a fresh one per round), every request asking through the engine's own fields for exactly
     N tokens (the tiny random model would otherwise stop at whatever end-of-sequence it draws); the int8 KV-cache
     variant skipped with the reason (continuous batching keeps a paged cache in the model's dtype); no server left."""
-    from pipeline.engines.server import pids_running
-    from pipeline.load import format_load, run_load
+    from pipeline.servers.base import pids_running
+    from pipeline.measure.served_load import format_load
+    from pipeline.stages.load import run_load
 
     urls, idle_waits = [], []
 
@@ -396,13 +399,13 @@ def test_hf_variants_are_served_by_transformers_serve_and_the_int8_cache_is_skip
 
 def test_no_transformers_server_outlives_a_run_killed_with_sigkill(tiny_llama, tmp_path):
     """The same parent-death guarantee for transformers serve (a Python server: found by its command line)."""
-    from pipeline.engines.server import pids_running
+    from pipeline.servers.base import pids_running
 
     marker = f"serve {tiny_llama}"
     script = f"""
 import time
 from pathlib import Path
-from pipeline.engines.transformers_serve import TransformersServe
+from pipeline.servers.transformers_serve import TransformersServe
 with TransformersServe(Path({str(tiny_llama)!r}), threads=1, slots=1, ctx_per_slot=64,
                        log_path=Path({str(tmp_path / 'k.log')!r})) as s:
     print(s.proc.pid, flush=True)
@@ -429,8 +432,8 @@ def test_transformers_serve_says_why_it_cannot_serve_a_compressed_tensors_checkp
     load; transformers serve cannot): the plan raises Skip naming the format, before any server starts."""
     from types import SimpleNamespace
 
-    from pipeline.engines.transformers_serve import TransformersServe
-    from pipeline.errors import Skip
+    from pipeline.servers.transformers_serve import TransformersServe
+    from pipeline.infra.errors import Skip
 
     folder = tmp_path / "model"
     folder.mkdir()
@@ -451,7 +454,7 @@ def _fake_popen(work):
         envs: list = []
 
         def __init__(self, cmd, **kw):
-            assert cmd[1:3] == ["-m", "pipeline.children"], cmd
+            assert cmd[1:3] == ["-m", "pipeline.infra.child_processes"], cmd
             FakePopen.envs.append(kw.get("env") or {})
             self.returncode = work(cmd[3:])
 
@@ -472,7 +475,7 @@ def _fake_popen(work):
 def test_an_engine_that_does_not_fix_the_output_length_fails_the_level_loudly(tmp_path, monkeypatch):
     """A guidellm level whose requests came back with another token count than asked for raises: the engine's
     request fields did not work, and its throughput would not be comparable."""
-    import pipeline.loadgen as loadgen
+    import pipeline.measure.loadgen as loadgen
 
     report = json.loads((Path(__file__).parent / "data" / "guidellm_0.8.1_concurrent.json").read_text())
     report["benchmarks"] = report["benchmarks"][:1]
@@ -499,7 +502,7 @@ def test_the_levels_the_knee_rule_cannot_stop_run_in_one_guidellm_invocation(tmp
     own after the stop rule and the idle check; each run draws prompts no earlier one used."""
     import copy
 
-    import pipeline.loadgen as loadgen
+    import pipeline.measure.loadgen as loadgen
 
     recorded = json.loads((Path(__file__).parent / "data" / "guidellm_0.8.1_concurrent.json").read_text())
     calls = []
@@ -550,7 +553,7 @@ def test_guidellm_reports_are_parsed_per_level_in_seconds():
     """A real guidellm 0.8.1 report (llama-server, Q8_0, 1/2/4 streams, 32 output tokens; trimmed)."""
     from pathlib import Path
 
-    from pipeline.loadgen import parse_guidellm
+    from pipeline.measure.loadgen import parse_guidellm
 
     report = json.loads((Path(__file__).parent / "data" / "guidellm_0.8.1_concurrent.json").read_text())
     rows = parse_guidellm(report)
@@ -571,8 +574,8 @@ def test_guidellm_reports_are_parsed_per_level_in_seconds():
 
 
 def test_llama_bench_and_batched_bench_lines_are_read_as_the_tools_print_them():
-    from pipeline.batched_bench import parse_batched_bench
-    from pipeline.bench import parse_llama_bench
+    from pipeline.measure.batched_bench import parse_batched_bench
+    from pipeline.measure.bench import parse_llama_bench
 
     bench = ('{"build_commit": "unknown", "model_filename": "model-q8_0.gguf", "n_threads": 2, "n_prompt": 64, '
              '"n_gen": 0, "n_depth": 0, "avg_ns": 1296227939, "stddev_ns": 99854704, "avg_ts": 49.520970, '
@@ -589,8 +592,8 @@ def test_llama_bench_and_batched_bench_lines_are_read_as_the_tools_print_them():
 def test_a_stored_sweep_is_judged_again_for_another_workload_without_measuring():
     import copy
 
-    from pipeline.config import WorkloadConfig
-    from pipeline.load import rejudge
+    from pipeline.config.commands import WorkloadConfig
+    from pipeline.measure.served_load import rejudge
 
     table = sweep({1: [100] * 3, 2: [160] * 3, 4: [170] * 3}, ttft_p99={1: [2.0] * 3, 2: [3.0] * 3, 4: [6.0] * 3})
     result = {"memory_budget_mb": None, "knee_gain": 0.1, "workload": {},
@@ -609,9 +612,9 @@ def test_the_probe_and_llama_bench_alternate_and_the_ratio_is_the_median_of_per_
     times; a slow spell in one round moves that round's both sides, not the ratio."""
     from types import SimpleNamespace
 
-    import pipeline.bench as bench
-    import pipeline.llamatools as llamatools
-    import pipeline.probe as probe
+    import pipeline.measure.bench as bench
+    import pipeline.infra.llama_tools as llamatools
+    import pipeline.measure.probe as probe
     from tests.conftest import compose
 
     cfg = compose(["bench.rounds=3", f"paths.artifacts={tmp_path}"])
@@ -645,7 +648,7 @@ def test_the_probe_and_llama_bench_alternate_and_the_ratio_is_the_median_of_per_
 
 
 def test_a_round_stops_climbing_after_two_flat_doublings_or_a_level_that_completed_nothing():
-    from pipeline.load import past_the_knee
+    from pipeline.measure.served_load import past_the_knee
 
     def r(*tps):
         return [{"concurrency": 2 ** i, "completed": 4, "output_tokens_per_s": t} for i, t in enumerate(tps)]
@@ -673,7 +676,7 @@ def test_levels_a_round_skipped_stay_paired_by_round_in_the_knee():
 
 
 def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_path):
-    import pipeline.loadgen as loadgen
+    import pipeline.measure.loadgen as loadgen
 
     ran = []
 
@@ -694,7 +697,7 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
     monkeypatch.setattr(loadgen, "guidellm_exe", lambda: Path("guidellm"))
     monkeypatch.setattr(loadgen, "parse_guidellm", lambda rep: [
         {"concurrency": c, "completed": 4, "output_tokens_per_s": flat[c]} for c in rep["c"]])
-    from pipeline.load import KNEE_RULE_LEVELS, past_the_knee
+    from pipeline.measure.served_load import KNEE_RULE_LEVELS, past_the_knee
 
     prompts = [f"p{i}" for i in range(loadgen.prompts_needed([1, 2, 4, 8, 16], 4, 2))]
     assert len(prompts) == 4 + 4 + 8 + 16 + 32
@@ -733,12 +736,12 @@ def test_make_bench_serves_each_variant_then_runs_llama_batched_bench_in_alterna
     per level the ratio is the median of the per-round ratios; a variant nothing serves is skipped with why."""
     from types import SimpleNamespace
 
-    import pipeline.batched_bench as batched_bench
-    import pipeline.bench as bench
-    import pipeline.engines.llama_server as llama_server
-    import pipeline.llamatools as llamatools
-    import pipeline.load as load
-    from pipeline.errors import Skip
+    import pipeline.measure.batched_bench as batched_bench
+    import pipeline.measure.bench as bench
+    import pipeline.servers.llama_server as llama_server
+    import pipeline.infra.llama_tools as llamatools
+    import pipeline.stages.load as load
+    from pipeline.infra.errors import Skip
     from tests.conftest import compose
 
     cfg = compose(["bench.rounds=3", f"paths.artifacts={tmp_path}", "run.variants=[original,a,b]",
@@ -799,9 +802,9 @@ def test_make_bench_serves_each_variant_then_runs_llama_batched_bench_in_alterna
 def test_levels_and_depths_read_back_from_load_json_print_in_numeric_order(tmp_path):
     """load.json comes back with its keys sorted as text (16 before 2, 4096 before 512); the table, the report's
     rows and the plots' lines follow the numbers."""
-    from pipeline.config import WorkloadConfig
-    from pipeline.load import format_load, rejudge
-    from pipeline.store import read_json, write_json
+    from pipeline.config.commands import WorkloadConfig
+    from pipeline.measure.served_load import format_load, rejudge
+    from pipeline.infra.files import read_json, write_json
 
     table = sweep({1: [100] * 3, 2: [150] * 3, 4: [170] * 3, 16: [171] * 3})
     levels = {str(c): f for c, f in table.items()}
@@ -838,7 +841,7 @@ def test_a_run_that_only_swept_load_still_gets_both_load_plots(tmp_path):
 
 
 def test_load_runtimes_must_name_runtimes_with_a_serving_engine():
-    from pipeline.errors import ConfigError
+    from pipeline.infra.errors import ConfigError
     from tests.conftest import compose
 
     assert compose([]).load.runtimes == ["llamacpp"]                      # the short sweep of make compare

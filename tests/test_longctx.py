@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import longctx
-from pipeline.prompts import parse_record, run_check
+from pipeline.suites import recall_docs as longctx
+from pipeline.suites.records import parse_record
+from pipeline.suites.checks import run_check
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 _DATE = r"\b\d{1,2} (?:%s) \d{4}\b" % "|".join(longctx.MONTHS)
@@ -102,7 +103,7 @@ def test_output_is_deterministic_per_seed(encode, tmp_path):
 
 
 def test_max_context_drops_lengths_that_do_not_fit(encode, suite, caplog):
-    with caplog.at_level(logging.WARNING, logger="pipeline.longctx"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.suites.recall_docs"):
         kept = longctx.build_recall_suite(encode, lengths=(1024, 2048), depths=DEPTHS, max_context=1500)
     assert kept == suite[:5]   # the 1024 records are unchanged by dropping 2048
     assert "dropping length 2048" in caplog.text

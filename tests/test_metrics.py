@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pipeline import metrics
+from pipeline.measure import drift as metrics
 
 
 def _random_logprobs(rng, n, vocab, temperature):

@@ -7,10 +7,10 @@ import sys
 import pytest
 
 from pipeline.cli import run
-from pipeline.config import PROJECT_ROOT
+from pipeline.config.schema import PROJECT_ROOT
 
 # The contract comes from the metric catalogue: every judged metric must be measured for an ok variant.
-from pipeline.catalogue import METRICS, SCHEMA_VERSION, validate_summary  # noqa: E402
+from pipeline.config.summary_contract import METRICS, SCHEMA_VERSION, validate_summary  # noqa: E402
 
 
 def _manifests(root):
@@ -76,7 +76,7 @@ def test_tiny_model_end_to_end_and_second_run_recomputes_nothing(tiny_cfg, tmp_p
 def test_a_batched_profile_generates_what_the_single_sequence_one_does(tiny_cfg, tmp_path):
     """profile.batch=2: the reference and the variant's free-running run two conversations at once on llama.cpp;
     the transcripts carry the same tokens as one-at-a-time generation on at least 99 % of positions."""
-    from pipeline.store import read_jsonl
+    from pipeline.infra.files import read_jsonl
 
     assert run(tiny_cfg("variant=gguf_q8_0")) == 0
     assert run(tiny_cfg("variant=gguf_q8_0", "profile.batch=2", "run.name=batched")) == 0
@@ -130,7 +130,7 @@ def test_smoke_run_of_the_embedded_model_through_the_cli(tmp_path):
 
 
 def test_a_result_from_another_schema_is_reported_skipped_not_misread(tmp_path):
-    from pipeline.aggregate import variant_summary
+    from pipeline.report.variant_summary import variant_summary
 
     old = {"status": "ok", "runtime": "llamacpp", "description": "x", "evaluation": {"dir": str(tmp_path / "gone")}}
     v = variant_summary(old)

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from pipeline.config import ConfigError, ModelConfig
-from pipeline.prepare import classify_source, prepare
+from pipeline.infra.errors import ConfigError
+from pipeline.config.schema import ModelConfig
+from pipeline.stages.prepare import classify_source, prepare
 
 
 def test_source_kinds(tmp_path, embedded_gguf, tiny_llama):
@@ -50,7 +51,7 @@ def _make_model_args(model: str) -> list[str]:
     """The Hydra overrides `make compare MODEL=...` passes (the Makefile's own rule, not a copy of it)."""
     import subprocess
 
-    from pipeline.config import PROJECT_ROOT
+    from pipeline.config.schema import PROJECT_ROOT
 
     out = subprocess.run(["make", "-s", "--no-print-directory", "print-model-args", f"MODEL={model}"],
                          cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout

@@ -7,8 +7,8 @@ from dataclasses import asdict
 
 import pytest
 
-from pipeline.config import RuntimeConfig
-from pipeline.probe import ProbeWorker, run_trial
+from pipeline.config.schema import RuntimeConfig
+from pipeline.measure.probe import ProbeWorker, run_trial
 
 
 def _spec(artifact, runtime="hf", **options) -> dict:
@@ -53,7 +53,15 @@ def test_without_a_worker_a_trial_runs_in_a_fresh_process_that_is_gone_after(tin
     assert trial["decode_tokens_per_s"] > 0
     time.sleep(0.2)
     after = {p for p in os.listdir("/proc") if p.isdigit()} - before
-    assert not [p for p in after if _alive(int(p)) and "pipeline.probe" in open(f"/proc/{p}/cmdline").read()]
+
+    def ours(pid: str) -> bool:      # a child of this test process (a user's own run beside the tests is not)
+        try:
+            return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+        except (OSError, ValueError, IndexError):
+            return False
+
+    assert not [p for p in after if ours(p) and _alive(int(p))
+                and "pipeline.measure.probe" in open(f"/proc/{p}/cmdline").read()]
 
 
 def test_a_worker_that_cannot_load_its_variant_fails_with_the_reason_and_exits(tmp_path):
@@ -69,7 +77,7 @@ def test_a_worker_that_cannot_load_its_variant_fails_with_the_reason_and_exits(t
 
 
 def test_the_speed_stage_keeps_one_loaded_worker_per_label_across_rounds(tiny_cfg, tiny_llama, monkeypatch):
-    from pipeline import speed
+    from pipeline.stages import speed as speed
 
     cfg = tiny_cfg("profile.speed.trials=3")
     results = {"original": {"status": "ok", "probe": _spec(tiny_llama)},

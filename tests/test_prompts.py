@@ -3,10 +3,11 @@ import re
 
 import pytest
 
-from pipeline.config import PROJECT_ROOT
-from pipeline.prompts import (PromptError, check_grade, count_units, detect_language, extract_json, first_json_object,
-                              has_greeting, has_table, heading_in, heading_parts, is_json_only, literal_in, load_suite,
-                              numbers_in, repeated_fraction, run_check, select)
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.suites.records import PromptError, load_suite, select
+from pipeline.suites.checks import (check_grade, count_units, detect_language, extract_json, first_json_object,
+                                    has_greeting, has_table, heading_in, heading_parts, is_json_only, literal_in,
+                                    numbers_in, repeated_fraction, run_check)
 
 
 @pytest.mark.parametrize("suite,min_records,turns", [("long_output", 8, (1, 1)), ("multi_turn", 8, (4, 8)),
@@ -239,7 +240,7 @@ def test_a_check_beyond_the_capped_budget_is_not_scored(tmp_path, caplog):
     record = {"id": "pm", "turns": [{"user": "Write the postmortem of INC-4471.", "max_new_tokens": 1024,
                                      "checks": [early, late]}]}
     conv, = load_suite("custom", _write(tmp_path, [json.dumps(record)]))
-    with caplog.at_level("INFO", logger="pipeline.prompts"):
+    with caplog.at_level("INFO", logger="pipeline.suites.records"):
         assert select([conv], 1, 512)[0].turns[0].checks == [early]
     assert "pm: 1 check(s) need more than this profile's 512-token budget and are not scored: action item owner" \
         in caplog.text

@@ -11,8 +11,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from pipeline.cli import EXIT_BAD_INPUT, run
-from pipeline.config import PROJECT_ROOT
-from pipeline.store import write_json
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.infra.files import write_json
 from tests.conftest import compose
 
 MODEL = "smollm2-135m-instruct"
@@ -150,7 +150,7 @@ def test_replies_scored_with_other_checks_are_not_compared_on_their_checks(gate)
 
 
 def test_checks_fingerprint_follows_what_was_asked_and_checked():
-    from pipeline.prompts import Conversation, Turn, checks_fingerprint
+    from pipeline.suites.records import Conversation, Turn, checks_fingerprint
 
     def conv(checks, budget=96, user="Order 4471?"):
         return [Conversation(id="a", suite="s", turns=[Turn(user=user, max_new_tokens=budget, checks=checks)])]
@@ -166,7 +166,7 @@ def test_bad_baseline_and_failed_run(gate, tmp_path):
     write_json(tmp_path / "results" / MODEL / "nightly" / "summary.json", _summary())
     cfg = compose(["command=regress", "run.name=nightly", f"paths.results={tmp_path / 'results'}",
                    f"regress.baseline={tmp_path / 'nope.json'}"])
-    from pipeline.config import ConfigError
+    from pipeline.infra.errors import ConfigError
 
     with pytest.raises(ConfigError, match="nope.json does not exist"):
         run(cfg)
@@ -195,8 +195,8 @@ def test_cli_regress_exit_codes(tmp_path):
 
 @pytest.mark.slow
 def test_drift_metrics_are_deterministic(tiny_cfg):
-    from pipeline.aggregate import variant_summary
-    from pipeline.run import load_result
+    from pipeline.report.variant_summary import variant_summary
+    from pipeline.stages.variant_job import load_result
 
     runs = []
     for _ in range(2):
@@ -249,7 +249,7 @@ def test_a_previous_schema_baseline_is_read_and_a_metric_it_lacks_is_not_compare
     assert code == 0
     assert "| gguf_q8_0 | kld_p99 | ok | not in the baseline (not compared) |" in md
     future = {**_summary(), "schema_version": 99}
-    from pipeline.config import ConfigError
+    from pipeline.infra.errors import ConfigError
 
     with pytest.raises(ConfigError, match="expected schema_version 1 or 2 or 3"):
         gate(_summary(), future)
@@ -286,7 +286,7 @@ def test_the_gate_passes_a_rerun_and_fails_a_worse_file_under_an_existing_name(t
               .getroot().iter("testcase") if c.find("failure") is not None}
     assert ("quantdrift.gguf_q8_0", "kld_mean") in failed, md
     assert "| gguf_q8_0 | kld_mean | **REGRESSED** |" in md
-    from pipeline.catalogue import BY_NAME
+    from pipeline.config.summary_contract import BY_NAME
 
     # the original's drift is untouched (its speed is re-measured with the rest, and judged on intervals)
     assert not [m for cls, m in failed if cls == "quantdrift.original" and m in BY_NAME

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from pipeline.cli import run
-from pipeline.store import read_jsonl, write_jsonl
+from pipeline.infra.files import read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +29,8 @@ def _chromium(profile_dir, *args, timeout=120):
 @pytest.fixture(scope="module")
 def small_report(tmp_path_factory, tiny_llama):
     """A small real run (original, Q8_0 GGUF, int8 KV) whose Q8_0 replies are then rewritten to carry an injection."""
-    from pipeline.config import PROJECT_ROOT
-    from pipeline.run import load_result
+    from pipeline.config.schema import PROJECT_ROOT
+    from pipeline.stages.variant_job import load_result
     from tests.conftest import compose
 
     root = tmp_path_factory.mktemp("html")

@@ -3,9 +3,8 @@ from the figure objects, not from PNG bytes), and the drift-by-turn plot follows
 
 import pytest
 
-from pipeline.report import make_plots
-from pipeline.report import plots as plots_mod
-from pipeline.report.plots import variant_colors
+import pipeline.report.plots as plots_mod
+from pipeline.report.plots import make_plots, variant_colors
 from tests.test_report_sections import _turns, three_variants
 
 pytest.importorskip("matplotlib")

@@ -5,10 +5,13 @@ import re
 
 import pytest
 
-from pipeline.catalogue import BY_NAME, METRICS, SCHEMA_VERSION, validate_summary
-from pipeline.errors import ConfigError
-from pipeline.report import render_html, render_markdown, report_sections
-from pipeline.report.sections import main_table, metric_head, multi_turn_suites, speed_table
+from pipeline.config.summary_contract import BY_NAME, METRICS, SCHEMA_VERSION, validate_summary
+from pipeline.infra.errors import ConfigError
+from pipeline.report.html import render_html
+from pipeline.report.markdown import render_markdown
+from pipeline.report.sections import report_sections
+from pipeline.report.tables import main_table, multi_turn_suites, speed_table
+from pipeline.report.cells import metric_head
 
 
 def _iv(est, spread=0.1):
@@ -132,7 +135,8 @@ def test_build_summary_validates_before_returning(tmp_path, monkeypatch):
     monkeypatch.setattr(mod, "variant_summary", lambda r, *a: dict(entries[r["name"]]) if r["status"] == "ok"
                         else dict(entries["awq"]))
     monkeypatch.setattr(mod, "capacity_plan", lambda v, facts, cap: {"max_sequences": {}})
-    monkeypatch.setattr("pipeline.roofline.load_bandwidth", lambda cfg: {"bytes_per_s": 1e10, "method": "test"})
+    monkeypatch.setattr("pipeline.measure.bandwidth.load_bandwidth",
+                        lambda cfg: {"bytes_per_s": 1e10, "method": "test"})
     summary = mod.build_summary(cfg)
     assert list(summary["variants"]) == ["original", "q8", "awq"]
     validate_summary(summary)
@@ -150,8 +154,9 @@ def test_the_report_states_how_free_running_replies_were_decoded(tmp_path):
 
 
 def test_the_run_time_table_names_the_short_sweep_and_lists_make_loads_sweep_outside_the_total(tmp_path):
-    from pipeline.stagetimes import other_sweeps
-    from pipeline.store import run_stage, write_json
+    from pipeline.report.stage_times import other_sweeps
+    from pipeline.infra.stage_cache import run_stage
+    from pipeline.infra.files import write_json
 
     run = tmp_path / "run"
     for name, body in (("load", {"profile": "short", "trials_wall_s": 600.0}),
@@ -266,3 +271,23 @@ def test_the_bits_section_flags_fallback_tensors_and_states_the_importance_matri
     assert "-0.0040 [-0.0060, -0.0020]" in md and "yes: lower with the importance matrix" in md
     s["imatrix_effects"][0].update(low=-0.006, high=0.001, significant=False)
     assert "no (inside this run's resolution)" in render_markdown(s, {})
+
+
+def test_the_committed_default_report_is_what_its_summary_renders():
+    """results/<model>/quick/report.md is rendered from summary.json alone: the committed pair must agree line for
+    line (the plots are placed where the committed report placed them). A change in the report code that moves a
+    figure, a reason or a table shows here before it reaches a reader."""
+    import json
+    from pathlib import Path
+
+    from pipeline.config.schema import PROJECT_ROOT
+
+    runs = sorted((PROJECT_ROOT / "results").glob("*/quick/summary.json"))
+    assert runs, "no committed default run under results/"
+    for path in runs:
+        committed = (path.parent / "report.md").read_text()
+        plots = dict(re.findall(r"^!\[([^\]]+)\]\(([^)]+)\)$", committed, re.M))
+        rendered = render_markdown(json.loads(path.read_text()), plots)
+        assert rendered == committed, next(f"{path.parent}: line {i + 1}: {a!r} != {b!r}" for i, (a, b) in
+                                           enumerate(zip(rendered.splitlines() + [""], committed.splitlines() + [""]))
+                                           if a != b)

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from pipeline import metrics
-from pipeline.aggregate import kv_bytes_per_token_formula
-from pipeline.config import VariantConfig
-from pipeline.prepare import prepare
-from pipeline.quantizers import build_artifact
+from pipeline.measure import drift as metrics
+from pipeline.measure.capacity import kv_bytes_per_token_formula
+from pipeline.config.schema import VariantConfig
+from pipeline.stages.prepare import prepare
+from pipeline.stages.quantize import build_artifact
 from pipeline.runtimes import load_runtime
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ TEXT = ("Customer Aoife Brennan reports that invoice INV-20931 for EUR 1,249.50 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_llama):
     from tests.conftest import compose
-    from pipeline.config import PROJECT_ROOT
+    from pipeline.config.schema import PROJECT_ROOT
 
     root = tmp_path_factory.mktemp("rt")
     cfg = compose([f"model.source={tiny_llama}", "model.name=tiny", f"paths.artifacts={root}",
@@ -197,9 +197,9 @@ def test_batched_path_decoded_on_given_tokens_picks_what_their_history_implies(b
 
 
 def test_conversations_run_batched_as_they_run_one_by_one(built):
-    from pipeline.conversation import ChatRenderer, run_conversation, run_conversations
-    from pipeline.prompts import load_suite
-    from pipeline.config import PROJECT_ROOT
+    from pipeline.suites.conversation import ChatRenderer, run_conversation, run_conversations
+    from pipeline.suites.records import load_suite
+    from pipeline.config.schema import PROJECT_ROOT
 
     cfg, original, arts = built
     renderer = ChatRenderer(original.checkpoint, False, False)
@@ -217,7 +217,7 @@ def test_conversations_run_batched_as_they_run_one_by_one(built):
 
 
 def test_first_differences_and_agreement_count_positions():
-    from pipeline.batched_bench import agreement, first_differences
+    from pipeline.measure.batched_bench import agreement, first_differences
 
     single = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
     batched = [[1, 2, 3, 4], [5, 0, 7, 8], [9]]
@@ -228,7 +228,7 @@ def test_first_differences_and_agreement_count_positions():
 def test_batched_table_lists_sequence_counts_in_numeric_order_after_a_json_round_trip():
     import json
 
-    from pipeline.batched_bench import format_batched
+    from pipeline.measure.batched_bench import format_batched
 
     row = {"ratio": 1.0, "tool_speedup": 1.0, "agreement": 1.0, "agreement_same_history": 1.0, "speedup": 1.0,
            "decode_tokens_per_s": 100.0, "tool_decode_tokens_per_s": 100.0, "deterministic": True}
@@ -245,8 +245,8 @@ def test_batched_table_lists_sequence_counts_in_numeric_order_after_a_json_round
 def test_the_batched_speed_up_ratio_is_judged_on_its_range_across_rounds():
     """The target is met where the range of the per-round ratios lies at or above it, missed where it lies below,
     undecided where it straddles it; the table prints the range and names the undecided counts."""
-    from pipeline.batched_bench import format_batched, ratio_verdict
-    from pipeline.stats import median_interval
+    from pipeline.measure.batched_bench import format_batched, ratio_verdict
+    from pipeline.measure.stats import median_interval
 
     iv = median_interval([0.80, 0.86, 0.97])
     assert (iv["estimate"], iv["low"], iv["high"]) == (0.86, 0.80, 0.97)
@@ -265,7 +265,7 @@ def test_the_batched_speed_up_ratio_is_judged_on_its_range_across_rounds():
 
 
 def test_llama_batched_bench_output_is_parsed_among_log_lines():
-    from pipeline.batched_bench import parse_batched_bench
+    from pipeline.measure.batched_bench import parse_batched_bench
 
     text = ("main: n_kv_max = 4096\n"
             '{"n_kv_max": 4096, "n_batch": 512, "pp": 128, "tg": 128, "pl": 4, "n_kv": 1024, "t_pp": 0.5, '
@@ -285,10 +285,10 @@ def test_batched_path_measured_beside_llama_batched_bench(built, kv_unified):
 
     from transformers import AutoTokenizer
 
-    from pipeline.batched_bench import compare_batched, format_batched
-    from pipeline.config import BenchConfig
-    from pipeline.errors import ConfigError
-    from pipeline.llamatools import tool
+    from pipeline.measure.batched_bench import compare_batched, format_batched
+    from pipeline.config.commands import BenchConfig
+    from pipeline.infra.errors import ConfigError
+    from pipeline.infra.llama_tools import tool
     from pipeline.runtimes.llamacpp import gguf_file
 
     try:

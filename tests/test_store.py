@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from pipeline.store import Journal, journal_path, load_manifest, run_stage
+from pipeline.infra.stage_cache import Journal, journal_path, load_manifest, run_stage
 
 
 def test_stage_is_skipped_when_its_key_matches_and_rebuilt_otherwise(tmp_path):

@@ -53,8 +53,8 @@ def test_gguf_variants_run_and_the_divergence_and_its_cost_are_reported(tiny_cfg
 
 
 def test_deployment_suites_follow_the_profile(tiny_cfg):
-    from pipeline.evaluate import deployment_suites
-    from pipeline.prompts import Conversation, Turn
+    from pipeline.stages.deployment import deployment_suites
+    from pipeline.suites.records import Conversation, Turn
 
     one = [Conversation(id="a", suite="s1", turns=[Turn(user="x")])]
     two = [Conversation(id="b", suite="s2", turns=[Turn(user="x"), Turn(user="y")])]
@@ -72,9 +72,9 @@ def test_the_embedded_gguf_tokenizer_is_repaired_to_match_llama_cpp(tmp_path, em
     digit split that the GGUF's `tokenizer.ggml.pre` (smollm) names, so it agrees with llama.cpp."""
     from transformers import AutoTokenizer
 
-    from pipeline.llamatools import load_llama_cpp
-    from pipeline.prepare import repair_gguf_tokenizer
-    from pipeline.quantizers.gguf import gguf_metadata
+    from pipeline.infra.llama_tools import load_llama_cpp
+    from pipeline.stages.prepare import repair_gguf_tokenizer
+    from pipeline.infra.gguf_file import gguf_metadata
 
     llama_cpp = load_llama_cpp()
     text = "Apologies: Fergus Kerr (IT)\n\n1. Jan KPIs\n  42 units on 2024-03-01\t\t7"

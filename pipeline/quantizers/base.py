@@ -1,4 +1,4 @@
-"""The quantizer interface and the stage that runs it."""
+"""The quantizer interface (the stage that runs a quantizer is ``pipeline.stages.quantize``)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from pipeline.errors import Skip  # noqa: F401  (re-exported for quantizers)
-from pipeline.settings import build_settings
-from pipeline.store import dir_bytes, run_stage
+from pipeline.infra.errors import Skip  # noqa: F401  (re-exported for quantizers)
+from pipeline.config.settings import build_settings
+from pipeline.infra.files import dir_bytes
 
 if TYPE_CHECKING:   # annotations only: a backend never imports the config at run time (no import cycle)
-    from pipeline.config import Config, VariantConfig
-    from pipeline.prepare import Original
+    from pipeline.config.schema import Config, VariantConfig
+    from pipeline.stages.prepare import Original
 
 @dataclass
 class Artifact:
@@ -67,20 +67,16 @@ class Quantizer(abc.ABC):
         smaller) plus 10 %."""
         return 1.1 * dir_bytes(self.original.checkpoint)
 
-    def _checked_build(self, tmp: Path) -> dict:
-        from pipeline.store import check_free_space
+    def checked_build(self, tmp: Path) -> dict:
+        """``build``, after checking the disk can hold what it writes."""
+        from pipeline.infra.files import check_free_space
 
         check_free_space(tmp, self.needed_bytes(), f"quantizing {self.variant.base}")
         return self.build(tmp)
 
-    def run(self) -> Artifact:
-        key = {"original": self.original.hash, "variant": self.variant.base, **self.key()}
-        manifest = run_stage(f"quantize:{self.variant.base}", self.out_dir, key, self._checked_build,
-                             force=self.cfg.force)
-        path = self.out_dir / manifest["artifact"]
-        info = {k: v for k, v in manifest.items() if k not in ("key", "versions", "hardware")}
-        return Artifact(variant=self.variant.name, path=path, bytes=dir_bytes(path), hash=manifest["key_hash"],
-                        info={**info, "producer": self.producer(manifest)})
+    def ready_made(self) -> Artifact | None:
+        """An artifact that needs no build (the original itself), else None: the quantize stage builds one."""
+        return None
 
 
 class Passthrough(Quantizer):
@@ -92,7 +88,7 @@ class Passthrough(Quantizer):
     def build(self, tmp: Path) -> dict:  # pragma: no cover - never built
         raise NotImplementedError
 
-    def run(self) -> Artifact:
+    def ready_made(self) -> Artifact:
         ckpt = self.original.checkpoint
         weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
         return Artifact(variant=self.variant.name, path=ckpt, bytes=weights, hash=self.original.hash,
@@ -109,7 +105,7 @@ def run_worker(argv: list[str], scratch: Path, env: dict, what: str) -> tuple[di
     import time
 
     started = time.time()
-    from pipeline.children import child_options
+    from pipeline.infra.child_processes import child_options
 
     proc = subprocess.Popen(argv, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             **child_options())
@@ -130,28 +126,3 @@ def run_worker(argv: list[str], scratch: Path, env: dict, what: str) -> tuple[di
     return json.loads(stats_path.read_text()), wall
 
 
-def bits_per_weight(path: Path, params: int | None) -> float | None:
-    """Stored bits per weight of an artifact. A GGUF file: 8 x its tensors' bytes / their elements (scales and
-    the fallback types included; llama.cpp's own "BPW" also counts the vocabulary and metadata). A safetensors
-    folder (the original, GPTQ, AWQ): 8 x its tensors' bytes (packed weights, zeros, scales, unquantized
-    embeddings and norms) / the original's parameter count ``params``. None when neither applies."""
-    import json
-    import struct
-
-    path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        from gguf import GGUFReader
-
-        tensors = GGUFReader(str(path)).tensors
-        elements = sum(int(t.n_elements) for t in tensors)
-        return 8.0 * sum(int(t.n_bytes) for t in tensors) / elements if elements else None
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files or not params:
-        return None
-    stored = 0
-    for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        stored += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
-    return 8.0 * stored / params

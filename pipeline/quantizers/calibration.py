@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.errors import ConfigError
+from pipeline.infra.errors import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CALIBRATION = {"path": str(PROJECT_ROOT / "prompts" / "calibration.jsonl"), "field": "text",
@@ -16,7 +16,7 @@ CALIBRATION_KEYS = ("path", "dataset", "config", "split", "field", "samples", "s
 
 def check_calibration(calibration: dict | None) -> None:
     """variant.quantize.calibration: known keys only, positive sample count and sequence length."""
-    from pipeline.settings import one_of, positive_int
+    from pipeline.config.settings import one_of, positive_int
 
     for k, v in (calibration or {}).items():
         one_of("variant.quantize.calibration", k, CALIBRATION_KEYS)
@@ -25,7 +25,7 @@ def check_calibration(calibration: dict | None) -> None:
 
 
 def check_group_size(group_size) -> None:
-    from pipeline.settings import require
+    from pipeline.config.settings import require
 
     require(group_size == "auto" or (isinstance(group_size, int) and not isinstance(group_size, bool)
                                      and group_size > 0),
@@ -49,7 +49,7 @@ def calibration_texts(spec: dict) -> list[str]:
         if not path.is_file():
             raise ConfigError(f"calibration.path={str(path)!r} does not exist: expected a JSONL file with a "
                               f"'{field}' field per line")
-        from pipeline.prompts import iter_jsonl
+        from pipeline.suites.records import iter_jsonl
 
         texts = []
         for lineno, row in iter_jsonl(path):
@@ -65,7 +65,7 @@ def calibration_key(spec: dict) -> dict:
     """``spec`` plus the content hash of the texts a local file contributes (its first ``samples`` texts when the
     spec has a sample count, else all), so an edited text rebuilds what used it and appending texts beyond those
     used rebuilds nothing. A path inside the project is recorded relative to it, so clones share keys."""
-    from pipeline.store import stable_hash
+    from pipeline.infra.files import stable_hash
 
     key = dict(spec)
     path = Path(spec["path"]) if spec.get("path") else None

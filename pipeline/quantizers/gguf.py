@@ -1,8 +1,7 @@
 """GGUF variants: llama.cpp's own converter (HF -> F16 GGUF), then llama_model_quantize to each type.
 
 The converter and its gguf-py come from the source distribution of the installed llama-cpp-python release
-(`make setup` fetches them into paths.cache): PyPI's gguf package lags the converter.
-"""
+(`make setup` fetches them into paths.cache): PyPI's gguf package lags the converter."""
 
 from __future__ import annotations
 
@@ -12,20 +11,20 @@ import os
 import shutil
 import subprocess
 import sys
-from collections import Counter
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from pipeline.children import child_options
-from pipeline.errors import ConfigError
+from pipeline.infra.child_processes import child_options
+from pipeline.infra.errors import ConfigError
 from pipeline.quantizers.base import Quantizer, Skip
-from pipeline.store import run_stage
+from pipeline.infra.stage_cache import run_stage
+from pipeline.infra.gguf_file import fallback_tensors, tensor_types
 
 if TYPE_CHECKING:
-    from pipeline.config import Config
+    from pipeline.config.schema import Config
 
 log = logging.getLogger(__name__)
 
@@ -37,22 +36,6 @@ def converter_dir(cfg: Config) -> Path:
     return Path(cfg.paths.cache) / f"llama-cpp-python-{version}"
 
 
-def tensor_types(path: Path) -> dict[str, int]:
-    """How many tensors of each ggml type the file really holds (K-quant names are a recipe, not a promise)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    return dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items()))
-
-
-def gguf_metadata(path: Path, key: str):
-    """One metadata value of a GGUF file (a string, number or list), or None when the file lacks it."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(path)).fields.get(key)
-    return field.contents() if field is not None else None
-
-
 def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_name: str, out_dir: Path) -> Path:
     """HF checkpoint -> F16 GGUF with llama.cpp's own converter, cached in ``out_dir``."""
     src = converter_dir(cfg)
@@ -62,7 +45,7 @@ def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_
                           "which fetches the llama-cpp-python source distribution into paths.cache")
 
     def build(tmp: Path) -> dict:
-        from pipeline.store import check_free_space, dir_bytes
+        from pipeline.infra.files import check_free_space, dir_bytes
 
         check_free_space(tmp, 1.1 * dir_bytes(checkpoint), f"converting {checkpoint.name} to F16 GGUF")
         env = dict(os.environ, PYTHONPATH=str(src / "gguf-py") + os.pathsep + str(src), NO_LOCAL_GGUF="")
@@ -91,7 +74,7 @@ def convert_to_f16(cfg: Config, checkpoint: Path, original_hash: str, model_name
 
 def quantize_file(src: Path, dst: Path, ftype_name: str, threads: int) -> None:
     """In-process llama_model_quantize (no importance matrix: llama-cpp-python cannot pass one)."""
-    from pipeline.llamatools import load_llama_cpp
+    from pipeline.infra.llama_tools import load_llama_cpp
 
     llama_cpp = load_llama_cpp()
 
@@ -123,7 +106,7 @@ def llama_quantize(tools: str, src: Path, dst: Path, ftype_name: str, threads: i
     llama_model_quantize (tests/test_imatrix.py checks it), so the artifact's key does not depend on which ran.
     Returns its fallback warnings, or None when the tool is not built (then only a plain quant can run, in
     process). A type it refuses for this model is a Skip carrying llama.cpp's own reason."""
-    from pipeline.llamatools import tool
+    from pipeline.infra.llama_tools import tool
 
     try:
         exe = tool("llama-quantize", tools)
@@ -145,9 +128,10 @@ def llama_quantize(tools: str, src: Path, dst: Path, ftype_name: str, threads: i
 def imatrix_stage(cfg: Config, original, f16: Path, spec: dict, chunks: int | None, ctx: int) -> tuple[Path, dict]:
     """llama.cpp's importance matrix of the F16 GGUF over the calibration text (never an evaluation turn), with
     its own llama-imatrix; cached by its inputs, shared by every importance-matrix variant."""
-    from pipeline.llamatools import tool
+    from pipeline.infra.llama_tools import tool
     from pipeline.quantizers.calibration import calibration_key, calibration_texts
-    from pipeline.store import load_manifest, stable_hash
+    from pipeline.infra.stage_cache import load_manifest
+    from pipeline.infra.files import stable_hash
 
     try:
         exe = tool("llama-imatrix", cfg.bench.llama_tools)
@@ -180,16 +164,6 @@ def imatrix_stage(cfg: Config, original, f16: Path, spec: dict, chunks: int | No
                                                                           "calibration_texts")}
 
 
-LEGACY_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}   # 32-wide blocks: llama.cpp's fallbacks
-
-
-def fallback_tensors(gguf_type: str, tensor_types: dict[str, int]) -> dict[str, int]:
-    """Tensors of a K or IQ file that llama.cpp wrote in a 32-wide legacy type instead (their rows are not a
-    multiple of the 256-wide super-block), by type; empty for other files."""
-    k_family = "_K" in gguf_type or (gguf_type.startswith("IQ") and gguf_type != "IQ4_NL")
-    return {t: n for t, n in (tensor_types or {}).items() if t in LEGACY_TYPES} if k_family else {}
-
-
 @dataclass
 class GGUFSettings:
     """variant.quantize for gguf: the llama.cpp file type (F16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0, IQ4_XS, ...),
@@ -205,7 +179,7 @@ class GGUFSettings:
 
     def __post_init__(self) -> None:
         from pipeline.quantizers.calibration import CALIBRATION_KEYS
-        from pipeline.settings import one_of, positive_int, require
+        from pipeline.config.settings import one_of, positive_int, require
 
         require(isinstance(self.type, str) and self.type.replace("_", "").isalnum(), "variant.quantize.type",
                 self.type, "a llama.cpp type name such as Q4_K_M")

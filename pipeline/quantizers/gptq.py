@@ -28,7 +28,7 @@ from importlib import metadata
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.errors import ConfigError
+from pipeline.infra.errors import ConfigError
 from pipeline.quantizers.base import Quantizer, Skip, run_worker
 from pipeline.quantizers.calibration import (DEFAULT_CALIBRATION, PROJECT_ROOT, calibration_key, calibration_texts,
                                              check_calibration, check_group_size)
@@ -89,7 +89,7 @@ class GPTQModelSettings:
     calibration: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from pipeline.settings import one_of
+        from pipeline.config.settings import one_of
 
         one_of("variant.quantize.method", self.method, ("gptq", "awq"))
         one_of("variant.quantize.bits", self.bits, (4,) if self.method == "awq" else (2, 3, 4, 8))
@@ -212,7 +212,7 @@ def _worker(spec_path: str) -> None:
     from transformers import AutoTokenizer
 
     from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
-    from pipeline.memory import peak_rss_mb
+    from pipeline.measure.memory import peak_rss_mb
 
     spec = json.loads(Path(spec_path).read_text())
     s = spec["settings"]

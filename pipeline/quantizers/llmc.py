@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.makefile import make_print
+from pipeline.infra.make_paths import make_print
 from pipeline.quantizers.base import Quantizer, Skip, run_worker
 from pipeline.quantizers.calibration import (DEFAULT_CALIBRATION, calibration_key, check_calibration,
                                              check_group_size)
@@ -80,7 +80,7 @@ class LLMCompressorSettings:
     calibration: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from pipeline.settings import one_of, positive_int
+        from pipeline.config.settings import one_of, positive_int
 
         one_of("variant.quantize.method", self.method, ("awq",))
         one_of("variant.quantize.bits", self.bits, (4,))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pipeline.report.sections import _md_escape, report_sections
+from pipeline.report.cells import _md_escape
+from pipeline.report.sections import report_sections
 
 
 def _md_table(head: list[str], rows: list[list[str]]) -> str:

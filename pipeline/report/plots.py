@@ -11,8 +11,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from pipeline.report.sections import multi_turn_suites
-from pipeline.store import atomic_write_bytes
+from pipeline.report.tables import multi_turn_suites
+from pipeline.infra.files import atomic_write_bytes
 
 # matplotlib's "tab10" (its default colour cycle) and, for more than ten variants, "tab20".
 _TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",

@@ -1,21 +1,23 @@
 """summary.json: the versioned summary of a run, assembled from the per-variant result files and the run's
-interleaved speed trials (measured here once, then cached: ``pipeline.speed``), and checked against the
+interleaved speed trials (measured here once, then cached: ``pipeline.stages.speed``), and checked against the
 published JSON Schema before anything is written."""
 
 from __future__ import annotations
 
 import time
 
-from pipeline.aggregate import SCHEMA_VERSION, capacity_plan, imatrix_effects, variant_summary
-from pipeline.calibration_sweep import load_sweep
-from pipeline.load import attach_load
-from pipeline.load import load_sweep as load_load
-from pipeline.catalogue import DECODING_KEYS, validate_summary
-from pipeline.config import Config
-from pipeline.decision import decide
-from pipeline.run import load_result
-from pipeline.stagetimes import run_stages
-from pipeline.store import hardware, library_versions
+from pipeline.config.summary_contract import SCHEMA_VERSION
+from pipeline.measure.capacity import capacity_plan
+from pipeline.report.variant_summary import imatrix_effects, variant_summary
+from pipeline.measure.calibration_sweep import load_sweep
+from pipeline.stages.load import attach_load
+from pipeline.stages.load import load_sweep as load_load
+from pipeline.config.summary_contract import DECODING_KEYS, validate_summary
+from pipeline.config.schema import Config
+from pipeline.decide.recommendation import decide
+from pipeline.stages.variant_job import load_result
+from pipeline.report.stage_times import run_stages
+from pipeline.infra.stage_cache import hardware, library_versions
 
 
 def build_summary(cfg: Config) -> dict:
@@ -24,12 +26,12 @@ def build_summary(cfg: Config) -> dict:
     for name in names:
         r = load_result(cfg, name)
         results[name] = r or {"status": "skipped", "reason": "not evaluated in this run (no result file)"}
-    from pipeline.roofline import load_bandwidth, resolve_device, run_bandwidth
+    from pipeline.measure.bandwidth import load_bandwidth, resolve_device, run_bandwidth
 
     bandwidth = load_bandwidth(cfg)
     if bandwidth is None and any(r.get("status") == "ok" for r in results.values()):
         bandwidth = run_bandwidth(cfg, resolve_device(cfg.runtime.device))   # a run from before bandwidth existed
-    from pipeline.speed import WORKERS_FRESH, measure_speed, noise_floor
+    from pipeline.stages.speed import WORKERS_FRESH, measure_speed, noise_floor
 
     speed_run = measure_speed(cfg, results)
     trials = (speed_run or {}).get("trials") or {}

@@ -1,21 +1,45 @@
 """Runtimes load an artifact and (1) generate a reply with timings, (2) score a token sequence; the interface is
-documented in ``pipeline.runtimes.base`` and the registry lines are in ``pipeline.backends``. Modules are imported
-only when a runtime is loaded, so heavy libraries (torch, llama_cpp) stay out of `import pipeline` and --help."""
+documented in ``pipeline.runtimes.base`` and the registry lines are in ``pipeline.config.backends``. Modules are
+imported only when a runtime is loaded, so heavy libraries (torch, llama_cpp) stay out of `import pipeline` and
+--help."""
 
 from __future__ import annotations
 
-from pipeline.backends import RUNTIMES
+from pipeline.config.backends import RUNTIMES
 
-__all__ = ["RUNTIMES", "runtime_class", "load_runtime"]
+__all__ = ["RUNTIMES", "runtime_class", "load_runtime", "runtime_key", "runtime_code"]
 
 
 def runtime_class(name: str):
-    from pipeline.registry import load_class
+    import importlib
 
-    return load_class(RUNTIMES, name, "runtime")
+    from pipeline.config.backends import lookup
+
+    module, cls = lookup(RUNTIMES, name, "runtime")
+    return getattr(importlib.import_module(module), cls)
 
 
 def load_runtime(variant, artifact_path, cfg, **options):
     """``variant``'s runtime loaded on ``artifact_path`` with its options (plus call-site ones such as n_ctx)."""
     opts = {**variant.runtime_options, **options}
     return runtime_class(variant.runtime)(artifact_path, opts, cfg.runtime, cfg.model.trust_remote_code)
+
+
+def runtime_key(cfg, artifact) -> dict:
+    """What any stage that runs cfg.variant on its artifact depends on (free-running, scoring, the deployment path):
+    the weights, the runtime and its options, threads, device, the runtime's own settings and the decoding rule."""
+    from pipeline.runtimes.base import decoding_key
+
+    variant = cfg.variant
+    return {"variant": variant.name, "artifact": artifact.hash, "runtime": variant.runtime,
+            "runtime_options": variant.runtime_options, "threads": cfg.runtime.n_threads, "device": cfg.runtime.device,
+            "runtime_settings": runtime_class(variant.runtime).key_settings(cfg.runtime), **decoding_key(cfg.runtime),
+            "code": runtime_code(variant.runtime)}
+
+
+def runtime_code(name: str) -> dict:
+    """The version of runtime ``name``'s code and of the interface code every runtime shares (greedy choice,
+    repetition penalty): what its generated tokens and scores depend on besides weights and settings."""
+    from pipeline.infra.code_version import code_version
+
+    return code_version("pipeline.runtimes.base", runtime_class(name).__module__)

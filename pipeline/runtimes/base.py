@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from pipeline.config import KVCacheConfig, RuntimeConfig
+    from pipeline.config.schema import KVCacheConfig, RuntimeConfig
 
 
 @dataclass
@@ -188,14 +188,14 @@ class Runtime(abc.ABC):
     # ------------------------------------------------------------------ options (class level, no model loaded)
     @classmethod
     def parse_options(cls, options: dict, where: str = "variant.runtime_options"):
-        from pipeline.settings import build_settings
+        from pipeline.config.settings import build_settings
 
         return build_settings(cls.Settings, {k: v for k, v in (options or {}).items() if k != "n_ctx"}, where)
 
     @classmethod
     def apply_kv_cache(cls, options: dict, kv: "KVCacheConfig") -> tuple[dict, str]:
         """The runtime options with a quantized KV-cache setting folded in, and the variant-name suffix for it."""
-        from pipeline.errors import Skip
+        from pipeline.infra.errors import Skip
 
         raise Skip(f"runtime {cls.name!r} has no quantized KV cache")
 
@@ -283,7 +283,7 @@ class FullLogitsRuntime(Runtime):
 
     def logprobs(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """Like ``logits`` but log-softmax normalised: float64 (len(positions), vocab_size)."""
-        from pipeline.metrics import log_softmax
+        from pipeline.measure.drift import log_softmax
 
         return log_softmax(self.logits(ids, positions))
 
@@ -314,7 +314,7 @@ class FullLogitsRuntime(Runtime):
 
 def require_full_logits(runtime: Runtime, why: str) -> FullLogitsRuntime:
     if not runtime.full_logits:
-        from pipeline.errors import ConfigError
+        from pipeline.infra.errors import ConfigError
 
         raise ConfigError(f"runtime {runtime.name!r} returns no full-vocabulary logits, which {why} needs")
     return runtime  # type: ignore[return-value]

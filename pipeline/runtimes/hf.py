@@ -13,11 +13,11 @@ import numpy as np
 
 from typing import TYPE_CHECKING
 
-from pipeline.errors import ConfigError, Skip
+from pipeline.infra.errors import ConfigError, Skip
 from pipeline.runtimes.base import FullLogitsRuntime, Generation, TokenChoice, greedy_decode, greedy_decode_many
 
 if TYPE_CHECKING:
-    from pipeline.config import RuntimeConfig
+    from pipeline.config.schema import RuntimeConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class HFSettings:
     free_running: str | None = None
 
     def __post_init__(self) -> None:
-        from pipeline.settings import one_of, positive_int
+        from pipeline.config.settings import one_of, positive_int
 
         if self.dtype is not None:
             one_of("variant.runtime_options.dtype", self.dtype, ("float32", "bfloat16", "float16"))

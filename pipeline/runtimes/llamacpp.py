@@ -14,12 +14,12 @@ import numpy as np
 
 from typing import TYPE_CHECKING
 
-from pipeline.errors import ConfigError, Skip
-from pipeline.llamatools import load_llama_cpp
+from pipeline.infra.errors import ConfigError, Skip
+from pipeline.infra.llama_tools import load_llama_cpp
 from pipeline.runtimes.base import FullLogitsRuntime, Generation, TokenChoice, greedy_decode, greedy_decode_many
 
 if TYPE_CHECKING:
-    from pipeline.config import RuntimeConfig
+    from pipeline.config.schema import RuntimeConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class LlamaCppSettings:
     cache_type_v: str = "f16"
 
     def __post_init__(self) -> None:
-        from pipeline.settings import one_of
+        from pipeline.config.settings import one_of
 
         for side in ("k", "v"):
             one_of(f"variant.runtime_options.cache_type_{side}", getattr(self, f"cache_type_{side}"),

@@ -1,0 +1,19 @@
+"""What the Makefile names: the cache layout (llama.cpp's tools, llm-compressor's environment) belongs to the
+Makefile, and the pipeline asks it rather than repeating the paths."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]     # a leaf module: no import of pipeline.config
+
+
+def make_print(target: str) -> str:
+    """The last line `make -s TARGET` prints in the project ("" when make is missing or the target fails)."""
+    try:
+        out = subprocess.run(["make", "-s", "--no-print-directory", target], cwd=PROJECT_ROOT,
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else ""

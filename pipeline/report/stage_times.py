@@ -1,0 +1,81 @@
+"""How long each stage of a run took, read from the stages' own manifests (``wall_s``: the time a stage took when
+it was built; a stage this run reused from an earlier one counts that build, so the figures add up to what the
+run's results cost, not to this invocation's wall time)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.config.schema import Config
+from pipeline.stages.load import completed_sweeps, sweep_stage
+from pipeline.infra.stage_cache import load_manifest
+from pipeline.infra.files import read_json
+
+
+def _wall(folder: Path) -> float | None:
+    m = load_manifest(folder)
+    return float(m["wall_s"]) if m and m.get("wall_s") is not None else None
+
+
+def evaluation_stages(cfg: Config, name: str) -> dict[str, float | None]:
+    """One variant's stages of this run, in seconds (None: the stage has no manifest, e.g. never ran for it)."""
+    run = cfg.model_dir / "runs" / cfg.run.name
+    return {"free_running": _wall(run / name), "scoring": _wall(run / f"{name}.scores"),
+            "checks": _wall(run / f"{name}.checks"), "deployment": _wall(run / f"{name}.served")}
+
+
+def variant_stages(cfg: Config, name: str) -> dict[str, float | None]:
+    """Every stage one variant's result rests on: the model-level ones (shared by every run) and this run's."""
+    md = cfg.model_dir
+    return {
+        "prepare": _wall(md / "original"),
+        "convert_f16": _wall(md / "gguf-f16"),
+        "quantize": _wall(md / "variants" / name.split("+", 1)[0]),
+        "parity": _wall(md / "parity"),
+        **evaluation_stages(cfg, name),
+    }
+
+
+def reference_stages(cfg: Config) -> dict[str, float]:
+    """Per suite: the reference transcripts, the original's log-probs on them and its exact rows, in seconds."""
+    base = cfg.model_dir / "reference" / cfg.run.name
+    out = {}
+    for suite in cfg.run.suites:
+        walls = [w for w in (_wall(base / part) for part in (suite, f"{suite}-logprobs", f"{suite}-exact_rows"))
+                 if w is not None]
+        if walls:
+            out[suite] = sum(walls)
+    return out
+
+
+def other_sweeps(run: Path) -> dict[str, dict]:
+    """The run's load sweeps beside ``make compare``'s short one (``make load``'s full sweep, which the report then
+    shows in its place), per sweep profile: seconds, and what they cover: ``trials`` (every trial's own time, over
+    every sitting of a resumed sweep) or ``last sitting`` (the stage's wall time, from a sweep that kept no trial
+    times)."""
+    out = {}
+    for stage, m in completed_sweeps(run):
+        if stage.name == sweep_stage("short"):
+            continue
+        sweep = read_json(stage / "load.json")
+        trials = sweep.get("trials_wall_s")
+        out[sweep.get("profile") or stage.name] = ({"s": float(trials), "covers": "trials"} if trials else
+                                                   {"s": m.get("wall_s"), "covers": "last sitting"})
+    return out
+
+
+def run_stages(cfg: Config, names: list[str]) -> dict:
+    """The run's stages in seconds: the references per suite, per variant its free-running, scoring and
+    deployment-path stages, the run-level speed and (short) load stages, and their total (quantizing is left out:
+    it is once per model, not per run); beside them, not in the total, the run's other load sweeps."""
+    run = cfg.model_dir / "runs" / cfg.run.name
+    variants = {}
+    for name in names:
+        row = {k: w for k, w in evaluation_stages(cfg, name).items() if w is not None}
+        if row:
+            variants[name] = row
+    shared = {k: w for k, w in (("speed", _wall(run / "speed")), ("load", _wall(run / "load"))) if w is not None}
+    references = reference_stages(cfg)
+    total = sum(references.values()) + sum(sum(r.values()) for r in variants.values()) + sum(shared.values())
+    return {"references_s": references, "variants_s": variants, "run_s": shared, "total_s": total,
+            "other_sweeps": other_sweeps(run)}

@@ -1,0 +1,379 @@
+"""Stage 3, reference: the original's own transcripts for every suite, with its top-K log-probs per generated
+token (+ the tail mass), and the parity checks that decide whether the F16 GGUF may stand in as generator.
+
+Transcripts: greedy, multi-turn replies carried forward. Log-probs: always from the original checkpoint on the
+hf runtime, teacher-forced on the transcript's exact ids, so every variant's KL divergence is against the
+original's distribution whichever runtime generated the text.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from pipeline.config.schema import Config, VariantConfig
+from pipeline.infra.errors import ConfigError
+from pipeline.suites.conversation import ChatRenderer, base_messages, free_run
+from pipeline.stages.prepare import Original
+from pipeline.suites.records import Conversation, generation_fingerprint
+from pipeline.infra.code_version import code_version
+from pipeline.runtimes import load_runtime
+from pipeline.runtimes.base import decoding_key
+from pipeline.infra.stage_cache import Journal, journal_path, run_stage
+from pipeline.infra.files import read_jsonl, stable_hash, write_jsonl
+
+log = logging.getLogger(__name__)
+
+
+# The variant (conf/variant/gguf_f16.yaml) that checks the conversion and, when it holds, generates the reference.
+F16_NAME = "gguf_f16"
+
+
+def f16_variant() -> VariantConfig:
+    from pipeline.config.compose import load_variant
+
+    return load_variant(F16_NAME)
+
+
+def context_needed(convs: list[Conversation], renderer: ChatRenderer, transcripts: list[dict] | None = None) -> int:
+    """Upper bound of the tokens any free-running pass over these conversations can hold."""
+    need = 0
+    for i, c in enumerate(convs):
+        budgets = sum(t.max_new_tokens or 512 for t in c.turns)
+        if transcripts is not None:
+            tr = transcripts[i]
+            replies = sum(t["end"] - t["start"] for t in tr["turns"])
+            need = max(need, len(tr["ids"]) - replies + budgets)
+        else:
+            first = base_messages(c) + [{"role": "user", "content": c.turns[0].user}]
+            user = len(renderer.first_prompt(first)) + sum(len(renderer.encode(t.user)) for t in c.turns[1:])
+            need = max(need, user + budgets + 16 * len(c.turns))
+    return need + 8
+
+
+def n_ctx_for(need: int, context_length: int | None) -> int:
+    n_ctx = ((need + 255) // 256) * 256
+    if context_length and n_ctx > context_length:
+        if need > context_length:
+            raise ConfigError(f"a conversation needs {need} tokens but the model's context is {context_length}: "
+                              "shorten the suite's turns or lower max_new_tokens")
+        n_ctx = context_length
+    return n_ctx
+
+
+# ------------------------------------------------------------------------------------------ parity
+
+def parity_texts(convs: list[Conversation], renderer: ChatRenderer) -> list[str]:
+    texts = []
+    for c in convs:
+        if c.system:
+            texts.append(c.system)
+        texts += [t.user for t in c.turns]
+        texts.append(renderer.render(base_messages(c) + [{"role": "user", "content": c.turns[0].user}]))
+    return texts
+
+
+def _common_ends(a: list[int], b: list[int]) -> tuple[int, int]:
+    """Lengths of the common prefix and of the common suffix (not overlapping the prefix) of two differing lists."""
+    from pipeline.measure.drift import first_divergence
+
+    first = first_divergence(a, b)
+    last = 0
+    while last < min(len(a), len(b)) - first and a[-1 - last] == b[-1 - last]:
+        last += 1
+    return first, last
+
+
+def tokenizer_divergence(texts_by_suite: dict[str, list[str]], renderer: ChatRenderer, tokenize,
+                         examples: int = 5) -> dict:
+    """How the GGUF vocabulary's own tokenizer (what llama.cpp and every server built on it apply to text) differs
+    from the HF tokenizer on the suites' texts: texts and HF tokens that tokenize differently (the tokens between
+    the common prefix and suffix), per suite, with the first examples."""
+    out = {"texts": 0, "diverging_texts": 0, "hf_tokens": 0, "diverging_tokens": 0, "by_suite": {}, "examples": []}
+    for suite, texts in texts_by_suite.items():
+        row = {"texts": len(texts), "diverging_texts": 0, "hf_tokens": 0, "diverging_tokens": 0}
+        for text in texts:
+            a, b = renderer.encode(text), tokenize(text)
+            row["hf_tokens"] += len(a)
+            if a == b:
+                continue
+            first, last = _common_ends(a, b)
+            row["diverging_texts"] += 1
+            row["diverging_tokens"] += len(a) - first - last
+            if len(out["examples"]) < examples:
+                out["examples"].append({"suite": suite, "text": text[:120], "first_diff_token": first,
+                                        "context": renderer.text_around(text, first),
+                                        "hf": a[first:first + 5], "gguf": b[first:first + 5]})
+        out["by_suite"][suite] = row
+        for k in ("texts", "diverging_texts", "hf_tokens", "diverging_tokens"):
+            out[k] += row[k]
+    return out
+
+
+def check_parity(cfg: Config, original: Original, f16_path: Path, f16_hash: str, renderer: ChatRenderer,
+                 suites: dict[str, list[Conversation]]) -> dict:
+    """The F16 GGUF's KLD against the original on the same ids (a broken conversion stops the GGUF variants), and
+    the GGUF tokenizer's divergence from the HF tokenizer on every suite text (reported, never blocking: every
+    runtime is fed the HF ids, so drift stays on one token stream; the deployment path measures what the
+    divergence costs a user whose server tokenizes text). Cached per inputs."""
+    texts = {name: parity_texts(convs, renderer) for name, convs in suites.items()}
+    out_dir = cfg.model_dir / "parity"
+    key = {"original": original.hash, "f16": f16_hash, "texts": stable_hash(texts), "version": PARITY_VERSION,
+           "tokens": cfg.reference.parity_tokens, "flash_attn": cfg.runtime.flash_attn}
+
+    def build(tmp: Path) -> dict:
+        from pipeline.measure.drift import kld_full
+        from pipeline.infra.gguf_file import gguf_metadata
+
+        gguf = load_runtime(f16_variant(), f16_path, cfg, n_ctx=max(cfg.reference.parity_tokens + 8, 512))
+        tokenizer = tokenizer_divergence(texts, renderer, gguf.tokenize)
+        tokenizer["gguf_pre_tokenizer"] = gguf_metadata(f16_path, "tokenizer.ggml.pre")
+        tokenizer["hf_pre_tokenizer"] = renderer.pre_tokenizer()
+        stream = []
+        for text in (t for suite_texts in texts.values() for t in suite_texts):
+            stream += renderer.encode(text)
+            if len(stream) >= cfg.reference.parity_tokens:
+                break
+        stream = stream[: cfg.reference.parity_tokens]
+        positions = list(range(len(stream) - 1))
+        lp_gguf = gguf.logprobs(stream, positions)
+        gguf.close()
+        hf = load_runtime(VariantConfig(name="original"), original.checkpoint, cfg)
+        lp_hf = hf.logprobs(stream, positions)
+        hf.close()
+        kld = kld_full(lp_hf, lp_gguf)
+        result = {
+            "tokenizer": tokenizer,
+            "f16_kld_mean": float(kld.mean()),
+            "f16_kld_max": float(kld.max()),
+            "f16_top1_agreement": float((lp_hf.argmax(-1) == lp_gguf.argmax(-1)).mean()),
+            "tokens": len(stream),
+            "max_kld": cfg.reference.parity_max_kld,
+        }
+        result["ok"] = result["f16_kld_mean"] < cfg.reference.parity_max_kld
+        return {"parity": result}
+
+    manifest = run_stage("parity", out_dir, key, build, force=cfg.force)
+    return manifest["parity"]
+
+
+# 2: the tokenizer comparison is a reported property (per suite, diverging tokens, pre-tokenizers), not a gate.
+PARITY_VERSION = 2
+
+
+def parity_error(parity: dict) -> str | None:
+    """Why GGUF figures cannot be trusted on this model, or None. Only a broken conversion stops them: a tokenizer
+    divergence is reported (the measurement feeds every runtime the same ids)."""
+    if parity["f16_kld_mean"] >= parity["max_kld"]:
+        return (f"the F16 GGUF's mean KLD against the original is {parity['f16_kld_mean']:.2e} "
+                f"(limit {parity['max_kld']:.0e}): the conversion is broken, GGUF figures would be meaningless")
+    return None
+
+
+def diverging_suites(parity: dict | None) -> list[str]:
+    """Suites with at least one text that the GGUF tokenizer splits differently from the HF tokenizer."""
+    by_suite = ((parity or {}).get("tokenizer") or {}).get("by_suite") or {}
+    return [s for s, row in by_suite.items() if row["diverging_texts"]]
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+@dataclass
+class SuiteReference:
+    suite: str
+    transcripts: list[dict]          # run_conversation() output per conversation
+    scores: dict[str, dict]          # conversation id -> arrays (topk_ids, topk_lp, tail, actual_lp, pos, turn)
+    producer: str
+    hash: str
+    # conversation id -> (indices into its scored positions, the original's whole log-softmax there, float32):
+    # the positions whose tail beyond the top-K holds more than reference.exact_tail_mass (``exact_rows``)
+    rows: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    rows_hash: str | None = None
+    scores_hash: str | None = None   # the log-probs stage's key hash (what teacher-forced scoring depends on)
+
+
+def reply_positions(transcript: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every reply token: the position that predicts it, its output position within the reply, its turn."""
+    pos, out_pos, turn = [], [], []
+    for ti, t in enumerate(transcript["turns"]):
+        for j in range(t["start"], t["end"]):
+            pos.append(j - 1)
+            out_pos.append(j - t["start"])
+            turn.append(ti)
+    return np.array(pos, dtype=np.int64), np.array(out_pos, dtype=np.int64), np.array(turn, dtype=np.int64)
+
+
+def build_reference(cfg: Config, original: Original, renderer: ChatRenderer, suite: str,
+                    convs: list[Conversation], producer: dict) -> SuiteReference:
+    """The suite's reference: the producer's transcripts (``reference_transcripts``), the original's top-K log-probs
+    on them (``reference_logprobs``) and its whole distribution where the top-K leaves much outside
+    (``exact_rows``), three stages so that a change to how log-probs are kept never regenerates a transcript.
+    producer: {"name": ..., "variant": VariantConfig, "path": Path, "hash": str}."""
+    transcripts, manifest = reference_transcripts(cfg, original, renderer, suite, convs, producer)
+    scores, scores_hash = reference_logprobs(cfg, original, suite, transcripts, manifest["key_hash"])
+    ref = SuiteReference(suite=suite, transcripts=transcripts, scores=scores, producer=manifest["producer"],
+                         hash=manifest["key_hash"], scores_hash=scores_hash)
+    return exact_rows(cfg, original, ref)
+
+
+def reference_transcripts(cfg: Config, original: Original, renderer: ChatRenderer, suite: str,
+                          convs: list[Conversation], producer: dict) -> tuple[list[dict], dict]:
+    """The producer's greedy multi-turn transcripts of the suite, resumable per conversation; (transcripts, the
+    stage's manifest). Its key holds what the replies depend on: the conversations as generated (not their
+    checks), the producer's weights, runtime, settings and code, the chat template and the decoding rule."""
+    from pipeline.runtimes import runtime_class, runtime_code
+
+    out_dir = cfg.model_dir / "reference" / cfg.run.name / suite
+    key = {
+        "original": original.hash,
+        "producer": producer["name"], "producer_hash": producer["hash"],
+        "conversations": generation_fingerprint(convs),
+        **({"batch": cfg.profile.batch} if cfg.profile.batch > 1 else {}),   # batched arithmetic: other last bits
+        "template": original.facts.get("chat_template_hash"),
+        "runtime_settings": runtime_class(producer["variant"].runtime).key_settings(cfg.runtime),
+        **decoding_key(cfg.runtime),
+        "code": {**runtime_code(producer["variant"].runtime), **code_version("pipeline.suites.conversation")},
+    }
+    stop_ids = original.facts["eos_token_ids"]
+
+    def build(tmp: Path) -> dict:
+        gen_journal = Journal(out_dir, "transcripts", key)
+        todo = [c for c in convs if c.id not in gen_journal]
+        if todo:
+            need = context_needed(convs, renderer)
+            n_ctx = n_ctx_for(need, original.facts.get("context_length"))
+            rt = load_runtime(producer["variant"], producer["path"], cfg, n_ctx=n_ctx)
+            try:
+                free_run(rt, renderer, todo, stop_ids, original.facts.get("context_length"), cfg.profile.batch,
+                         lambda tr: gen_journal.add(tr["id"], tr), f"reference {suite} ({producer['name']})")
+            finally:
+                rt.close()
+        write_jsonl(tmp / "transcripts.jsonl", [gen_journal.get(c.id) for c in convs])
+        return {"producer": producer["name"], "conversations": len(convs)}
+
+    manifest = run_stage(f"reference:{suite}", out_dir, key, build, force=cfg.force)
+    return read_jsonl(out_dir / "transcripts.jsonl"), manifest
+
+
+def reference_logprobs(cfg: Config, original: Original, suite: str, transcripts: list[dict],
+                       transcripts_hash: str) -> tuple[dict[str, dict[str, np.ndarray]], str]:
+    """The original's top-K log-probs (+ the tail bucket and the log-prob of the token that came) at every reply
+    token of the transcripts, teacher-forced on their exact ids on the hf runtime; (per conversation arrays, the
+    stage's key hash). Resumable per conversation."""
+    from pipeline.measure.drift import topk_from_logprobs
+    from pipeline.runtimes import runtime_code
+
+    out_dir = cfg.model_dir / "reference" / cfg.run.name / f"{suite}-logprobs"
+    key = {"transcripts": transcripts_hash, "original": original.hash, "top_k": cfg.reference.top_k,
+           "code": {**runtime_code(VariantConfig(name="original").runtime),
+                    **code_version("pipeline.measure.drift", reply_positions)}}
+
+    def build(tmp: Path) -> dict:
+        score_journal = Journal(out_dir, "scores", key)
+        todo = [t for t in transcripts if t["id"] not in score_journal]
+        if todo:
+            hf = load_runtime(VariantConfig(name="original"), original.checkpoint, cfg)
+            try:
+                for tr in tqdm(todo, desc=f"reference {suite} log-probs", unit="conv"):
+                    pos, out_pos, turn = reply_positions(tr)
+                    if len(pos) == 0:
+                        score_journal.add(tr["id"], None)
+                        continue
+                    lp = hf.logprobs(tr["ids"], pos.tolist())
+                    ids, topk_lp, tail = topk_from_logprobs(lp, cfg.reference.top_k)
+                    actual = np.asarray(tr["ids"])[pos + 1]
+                    score_journal.add(tr["id"], {
+                        "topk_ids": ids.tolist(), "topk_lp": topk_lp.astype(np.float32).tolist(),
+                        "tail": tail.astype(np.float32).tolist(),
+                        "actual_lp": np.take_along_axis(lp, actual[:, None], axis=-1)[:, 0].astype(np.float32).tolist(),
+                    })
+            finally:
+                hf.close()
+        arrays = {}
+        for tr in transcripts:
+            s = score_journal.get(tr["id"])
+            if s is None:
+                continue
+            pos, out_pos, turn = reply_positions(tr)
+            arrays[f"{tr['id']}|pos"] = pos
+            arrays[f"{tr['id']}|out_pos"] = out_pos
+            arrays[f"{tr['id']}|turn"] = turn
+            arrays[f"{tr['id']}|topk_ids"] = np.asarray(s["topk_ids"], dtype=np.int32)
+            for k in ("topk_lp", "tail", "actual_lp"):
+                arrays[f"{tr['id']}|{k}"] = np.asarray(s[k], dtype=np.float32)
+        with open(tmp / "scores.npz", "wb") as fh:
+            np.savez(fh, **arrays)      # uncompressed: float32 log-probs hardly compress, and zlib took ~12 s a run
+        return {"conversations": len(arrays) // 7}
+
+    manifest = run_stage(f"reference:{suite}:logprobs", out_dir, key, build, force=cfg.force)
+    return _by_conversation(out_dir / "scores.npz"), manifest["key_hash"]
+
+
+def _by_conversation(path: Path) -> dict[str, dict[str, np.ndarray]]:
+    """A stage's npz of per-conversation arrays named "<conversation id>|<field>", as {id: {field: array}}."""
+    npz = np.load(path)
+    out: dict[str, dict] = {}
+    for name in npz.files:
+        cid, field_name = name.rsplit("|", 1)
+        out.setdefault(cid, {})[field_name] = npz[name]
+    return out
+
+
+def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteReference:
+    """The original's whole distribution (float32 log-probs) where the top-K leaves more than
+    ``reference.exact_tail_mass`` outside: there the one-bucket tail under-reads KL divergence most, and the
+    teacher-forced pass computes the exact full-vocabulary figure instead. Measured on the default run's
+    reference (8 conversations per suite, K=1024): 7 % of positions, and the mean KLD goes from 0.983-0.988 of
+    the exact one to 0.995-0.997 (Q8_0, Q4_K_M, Q4_0), at 4 bytes x vocabulary per kept row (float16 would halve
+    that, but its 3 digits per log-prob read 1e-5 nats for a model against itself). A stage of its own beside the
+    reference, so that changing the threshold rescores but never regenerates a transcript."""
+    tau = cfg.reference.exact_tail_mass
+    if tau is None or tau >= 1.0:
+        return ref
+    out_dir = cfg.model_dir / "reference" / cfg.run.name / f"{ref.suite}-exact_rows"
+    key = {"logprobs": ref.scores_hash, "exact_tail_mass": tau, "dtype": "float32"}
+
+    def rows_file(cid: str) -> Path:      # conversation ids are free text: the file is named by their hash
+        return journal_path(out_dir) / f"{stable_hash(cid)[:20]}.npy"
+
+    def picked(cid: str) -> np.ndarray:
+        return np.flatnonzero(np.exp(ref.scores[cid]["tail"].astype(np.float64)) > tau)
+
+    def build(tmp: Path) -> dict:
+        done = Journal(out_dir, "rows", key)
+        todo = [tr for tr in ref.transcripts if tr["id"] in ref.scores and tr["id"] not in done
+                and len(picked(tr["id"]))]
+        if todo:
+            hf = load_runtime(VariantConfig(name="original"), original.checkpoint, cfg)
+            try:
+                for tr in tqdm(todo, desc=f"reference {ref.suite} exact rows", unit="conv"):
+                    idx = picked(tr["id"])
+                    lp = hf.logprobs(tr["ids"], ref.scores[tr["id"]]["pos"][idx].tolist()).astype(np.float32)
+                    np.save(rows_file(tr["id"]), lp)
+                    done.add(tr["id"], {"rows": len(idx)})
+            finally:
+                hf.close()
+        arrays, kept, total = {}, 0, 0
+        for tr in ref.transcripts:
+            if tr["id"] not in ref.scores:
+                continue
+            idx = picked(tr["id"])
+            total += len(ref.scores[tr["id"]]["pos"])
+            if len(idx):
+                arrays[f"{tr['id']}|idx"] = idx.astype(np.int32)
+                arrays[f"{tr['id']}|lp"] = np.load(rows_file(tr["id"]))
+                kept += len(idx)
+        with open(tmp / "rows.npz", "wb") as fh:
+            np.savez(fh, **arrays)      # uncompressed: float32 log-probs hardly compress, and zlib took ~12 s a run
+        return {"rows": kept, "positions": total, "bytes": (tmp / "rows.npz").stat().st_size}
+
+    manifest = run_stage(f"reference:{ref.suite}:exact_rows", out_dir, key, build, force=cfg.force)
+    rows = _by_conversation(out_dir / "rows.npz")
+    log.info("reference %s: exact rows at %d of %d positions (tail mass > %g), %.1f MB", ref.suite,
+             manifest["rows"], manifest["positions"], tau, manifest["bytes"] / 1e6)
+    return replace(ref, rows={cid: (r["idx"].astype(np.int64), r["lp"]) for cid, r in rows.items()},
+                   rows_hash=manifest["key_hash"])

@@ -1,0 +1,204 @@
+"""Speed and memory measured so that a difference can be trusted: interleaved trials across variants.
+
+After the sweep has evaluated every variant, each round measures every variant once (``pipeline.measure.probe``: each
+label's own process, loaded once for all rounds where memory allows, else a fresh one per trial), in an order
+rotated by one place per round, so that drift of the machine over the run (a
+neighbour's job, thermal state) spreads over all variants instead of landing on whichever ran last. The A/A
+control, the first variant measured a second time each round under another label half a round later, gives the
+run's own noise floor: the two must come out tied.
+
+Figures per variant: the median over trials with a distribution-free 95 % interval (order statistics); the
+decision compares two variants with a paired sign-flip test over the rounds (``pipeline.measure.stats``). The stage is
+cached by every variant's trial spec and resumes trial by trial.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from pipeline.config.schema import Config
+from pipeline.measure.stats import median_interval, paired_ratio
+from pipeline.infra.stage_cache import Journal, run_stage
+from pipeline.infra.files import dir_bytes, read_json, stable_hash, write_json
+
+log = logging.getLogger(__name__)
+
+# the trial figures that get a median and an interval (catalogue metrics of the speed and memory sections)
+TRIAL_FIGURES = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s", "peak_rss_mb",
+                 "device_peak_mb")
+AA_SUFFIX = "#A/A"
+# how the trials were run (trials.json and summary.speed_protocol "workers")
+WORKERS_KEPT = "one per label for the stage"
+WORKERS_FRESH = "one per trial"
+
+
+def trial_order(names: list[str], control: str | None, rounds: int) -> list[list[str]]:
+    """Per round, the labels in measuring order: the variants rotated by one place per round; the control's A/A
+    copy half a round after the control itself."""
+    order = []
+    for r in range(rounds):
+        k = r % len(names)
+        labels = names[k:] + names[:k]
+        if control:
+            at = (labels.index(control) + math.ceil((len(labels) + 1) / 2)) % (len(labels) + 1)
+            labels.insert(at, control + AA_SUFFIX)
+        order.append(labels)
+    return order
+
+
+def _control(cfg: Config, names: list[str]) -> str | None:
+    sp = cfg.profile.speed
+    if not sp.aa or not names:
+        return None
+    if sp.control == "auto":
+        return names[0]
+    if sp.control not in names:
+        from pipeline.infra.errors import ConfigError
+
+        raise ConfigError(f"profile.speed.control={sp.control!r} is not an evaluated variant of this run: expected "
+                          f"auto or one of {', '.join(names)}")
+    return sp.control
+
+
+# Resident memory of a loaded probe beyond its artifact's bytes (measured on the default's 135M model: transformers
+# variants 0.9-1.1 GB for a 0.5 GB checkpoint, llama.cpp ones 0.2-0.35 GB)
+_WORKER_OVERHEAD_MB = {"hf": 700.0}
+_WORKER_OVERHEAD_DEFAULT_MB = 120.0
+
+
+def keep_workers(cfg: Config, specs: dict[str, dict], labels: list[str]) -> tuple[bool, str]:
+    """Whether every label keeps one probe process for the whole stage (loaded once) or each trial starts a fresh
+    one. Kept on a CPU when all of them fit in half the available memory at once; on a GPU never, since
+    each probe's device-memory reading needs the device to hold that variant alone."""
+    from pipeline.measure.bandwidth import resolve_device
+
+    if resolve_device(cfg.runtime.device) != "cpu":
+        return False, "a fresh probe process per trial (the device holds one variant at a time)"
+    need = 0.0
+    for label in labels:
+        spec = specs[label.removesuffix(AA_SUFFIX)]
+        need += 1.2 * dir_bytes(spec["artifact"]) / 2**20 + _WORKER_OVERHEAD_MB.get(
+            spec["runtime"], _WORKER_OVERHEAD_DEFAULT_MB)
+    available = _mem_available_mb()
+    if need > available / 2:
+        return False, (f"a fresh probe process per trial (keeping {len(labels)} loaded would take about "
+                       f"{need / 1024:.1f} GiB of the {available / 1024:.1f} GiB available)")
+    return True, f"one probe process per label, loaded once for all rounds (about {need / 1024:.1f} GiB together)"
+
+
+def _mem_available_mb() -> float:
+    import psutil
+
+    return psutil.virtual_memory().available / 2**20
+
+
+def speed_protocol() -> dict:
+    """The version of the code a speed trial's figures come from: the probe (what is timed and how), the memory
+    readings, and the trial scheme (order, workers). The figures derived from the trials (medians, intervals,
+    the A/A floor) are computed when the summary is built, from the trials, never cached."""
+    from pipeline.infra.code_version import code_version
+
+    return code_version("pipeline.measure.probe", "pipeline.measure.memory", trial_order, keep_workers, _control,
+                        measure_speed)
+
+
+def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
+    """Run (or resume) the interleaved trials of every evaluated variant; returns the trials file's content:
+    {"rounds", "order", "control", "trials": {label: [trial result or {"error": ...}, one per round]}}."""
+    from pipeline.measure.probe import ProbeWorker, run_trial
+
+    specs = {n: r["probe"] for n, r in results.items() if r.get("status") == "ok" and r.get("probe")}
+    if not specs:
+        return None
+    sp = cfg.profile.speed
+    names = list(specs)
+    control = _control(cfg, names)
+    order = trial_order(names, control, sp.trials)
+    out_dir = cfg.model_dir / "runs" / cfg.run.name / "speed"
+    key = {"specs": {n: stable_hash(s) for n, s in specs.items()}, "trials": sp.trials, "control": control,
+           "max_cpu_noise": sp.max_cpu_noise, "protocol": speed_protocol()}
+
+    def build(tmp):
+        journal = Journal(out_dir, "trials", key)
+        total = sum(len(labels) for labels in order)
+        keep, why = keep_workers(cfg, specs, order[0])
+        log.info("speed: %s", why)
+        workers: dict[str, ProbeWorker] = {}
+        done = 0
+        try:
+            for r, labels in enumerate(order):
+                for label in labels:
+                    done += 1
+                    item = f"{r}:{label}"
+                    if item in journal:
+                        continue
+                    log.info("speed: trial %d/%d (round %d/%d): %s", done, total, r + 1, len(order), label)
+                    spec = specs[label.removesuffix(AA_SUFFIX)]
+                    try:
+                        if keep and label not in workers:
+                            workers[label] = ProbeWorker(spec, label)
+                        trial = run_trial(spec, sp.max_cpu_noise, label, workers.get(label))
+                    except Exception as exc:  # a variant whose probe fails is reported without speed, the others go on
+                        log.error("speed trial of %s failed: %s", label, exc)
+                        trial = {"error": f"{type(exc).__name__}: {exc}"}
+                        if label in workers:      # the next round starts it afresh
+                            workers.pop(label).close()
+                    journal.add(item, trial)
+        finally:
+            for worker in workers.values():
+                worker.close()
+        labels = [label for label in order[0]]
+        write_json(tmp / "trials.json", {"rounds": len(order), "order": order, "control": control,
+                                         "workers": WORKERS_KEPT if keep else WORKERS_FRESH,
+                                         "trials": {lab: [journal.get(f"{r}:{lab}") for r in range(len(order))]
+                                                    for lab in labels}})
+        return {"rounds": len(order), "control": control}
+
+    run_stage("speed", out_dir, key, build, force=cfg.force)
+    return read_json(out_dir / "trials.json")
+
+
+def trial_figures(trials: list[dict] | None) -> dict:
+    """A variant's speed from its trials: medians, 95 % intervals, the per-round values (None for a failed
+    round, so rounds stay paired across variants) and the trials' bookkeeping."""
+    trials = trials or []
+    good = [t for t in trials if "error" not in t]
+    values = {f: [t.get(f) if "error" not in t else None for t in trials] for f in TRIAL_FIGURES}
+    intervals = {f: iv for f in TRIAL_FIGURES if (iv := median_interval([x for x in values[f] if x is not None]))}
+    first = good[0] if good else {}
+    noise = [t["cpu_noise"] for t in good if t.get("cpu_noise") is not None]
+    return {
+        "medians": {f: (intervals[f]["estimate"] if f in intervals else None) for f in TRIAL_FIGURES},
+        "intervals": intervals,
+        "values": values,
+        "trials": len(good),
+        "failed_trials": [t["error"] for t in trials if "error" in t],
+        "noisy_trials": sum(1 for t in good if t.get("noisy")),
+        "cpu_noise": float(sorted(noise)[len(noise) // 2]) if noise else None,
+        "load_s": float(sorted(t["load_s"] for t in good)[len(good) // 2]) if good else None,
+        "prompt_tokens": first.get("prompt_tokens"), "decode_tokens": first.get("decode_tokens"),
+        "repeats": first.get("repeats"), "kv_reported": first.get("kv_reported"),
+        "runtime_info": first.get("runtime_info"),
+        "device_memory": first.get("device_memory"),     # how the device peak was read (None off CUDA)
+    }
+
+
+def noise_floor(run: dict | None, alpha: float = 0.05) -> dict | None:
+    """The A/A comparison: the control against its own second measurement, per figure: the median ratio, its
+    interval, the sign-flip p-value, whether they tie (p >= alpha) and the floor (the interval's largest
+    distance from 1: two variants closer than this are inside this run's noise)."""
+    if not run or not run.get("control"):
+        return None
+    control = run["control"]
+    a = trial_figures(run["trials"].get(control))["values"]
+    b = trial_figures(run["trials"].get(control + AA_SUFFIX))["values"]
+    figures = {}
+    for f in TRIAL_FIGURES:
+        pairs = [(x, y) for x, y in zip(a[f], b[f]) if x is not None and y is not None]
+        test = paired_ratio([y for _, y in pairs], [x for x, _ in pairs])
+        if test:
+            figures[f] = {**test, "tied": bool(test["p"] >= alpha),
+                          "floor": max(1 - test["low"], test["high"] - 1, abs(test["ratio"] - 1))}
+    return {"control": control, "rounds": run["rounds"], "alpha": alpha, "figures": figures,
+            "test": "paired sign-flip permutation test on log ratios over interleaved rounds"}

@@ -1,0 +1,198 @@
+"""One comparison job, top to bottom: prepare -> quantize -> reference -> evaluate -> per-variant result.
+
+``evaluate_job(cfg)`` is what one Hydra job runs (one variant). Every stage it calls is cached, so a sweep of
+variants shares the prepared original, the F16 conversion, the parity check and the reference transcripts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from pathlib import Path
+
+from pipeline.config.summary_contract import SCHEMA_VERSION
+from pipeline.config.schema import Config, VariantConfig
+from pipeline.infra.errors import ConfigError
+from pipeline.infra.files import read_json, write_json
+
+log = logging.getLogger(__name__)
+
+
+def result_path(cfg: Config, variant: str) -> Path:
+    return cfg.model_dir / "runs" / cfg.run.name / f"{variant}.result.json"
+
+
+def load_suites(cfg: Config, original=None, renderer=None) -> dict:
+    """The selected suites, validated and cut to the profile. Generated suites (suites.NAME.generate) are built
+    once per model tokenizer into artifacts/<model>/suites/ and then read like any other suite file."""
+    from pipeline.suites.records import load_suite, select
+
+    out = {}
+    for suite in cfg.selected_suites():
+        path = suite.path
+        if suite.generate:
+            if original is None or renderer is None:
+                raise ConfigError(f"suite {suite.name!r} is generated per tokenizer: it needs the prepared model")
+            path = generated_suite(cfg, suite, original, renderer)
+        convs = load_suite(suite.name, path)
+        out[suite.name] = select(convs, *cfg.profile.limits(suite.name))
+    return out
+
+
+def generated_suite(cfg: Config, suite, original, renderer) -> Path:
+    """Write a generated suite (cached by its settings and the tokenizer it was sized with)."""
+    from pipeline.infra.stage_cache import run_stage
+
+    out_dir = cfg.model_dir / "suites" / suite.name
+    params = {k: v for k, v in suite.generate.items() if k != "kind"}
+    key = {"generate": suite.generate, "original": original.hash, "context": original.facts.get("context_length")}
+
+    def build(tmp: Path) -> dict:
+        from pipeline.suites.recall_docs import generate
+
+        records = generate(tmp / "suite.jsonl", renderer.encode, max_context=original.facts.get("context_length"),
+                           **params)
+        if not records:
+            raise ConfigError(f"suite {suite.name!r}: no document length in {params.get('lengths')} fits the model's "
+                              f"context of {original.facts.get('context_length')} tokens")
+        return {"records": len(records)}
+
+    run_stage(f"suite:{suite.name}", out_dir, key, build, force=cfg.force)
+    return out_dir / "suite.jsonl"
+
+
+def probe_prompt(renderer, suites: dict, n_tokens: int) -> list[int]:
+    """A fixed business prompt of exactly n_tokens for the speed probe (same ids for every variant)."""
+    texts = [t.user for convs in suites.values() for c in convs for t in c.turns]
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        for text in texts:
+            ids += renderer.encode(text + "\n\n")
+            if len(ids) >= n_tokens:
+                break
+    return ids[:n_tokens]
+
+
+def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict, dict, dict | None]:
+    """Parity checks, then the reference transcripts. Returns (references, producer, parity)."""
+    from pipeline.infra.errors import Skip
+    from pipeline.stages.quantize import build_artifact
+    from pipeline.stages.reference import build_reference, check_parity, f16_variant, parity_error
+
+    parity = None
+    f16 = None
+    f16v = f16_variant()
+    try:
+        f16 = build_artifact(f16v, original, cfg)
+    except Skip as exc:
+        log.warning("no GGUF for this model (%s): the reference is generated on the hf runtime", exc)
+        parity = {"ok": False, "skipped": str(exc)}
+    if f16 is not None:
+        parity = check_parity(cfg, original, f16.path, f16.hash, renderer, suites)
+        problem = parity_error(parity)
+        if problem and cfg.variant.quantizer == f16v.quantizer:
+            raise ConfigError(problem)
+        if problem:
+            log.error("parity check failed: %s", problem)
+        tok = parity["tokenizer"]
+        if tok["diverging_texts"]:
+            log.warning("the GGUF tokenizer (pre-tokenizer %r) splits %d of %d suite texts differently from the HF "
+                        "tokenizer (%d of %d tokens); every runtime is fed the HF ids, and the deployment path "
+                        "measures what a server tokenizing text itself would do", tok["gguf_pre_tokenizer"],
+                        tok["diverging_texts"], tok["texts"], tok["diverging_tokens"], tok["hf_tokens"])
+    use_gguf = cfg.reference.runtime == "gguf_f16" or (cfg.reference.runtime == "auto" and parity and parity.get("ok"))
+    if cfg.reference.runtime == "gguf_f16" and not (parity and parity.get("ok")):
+        raise ConfigError("reference.runtime=gguf_f16 needs a passing F16 parity check: " + str(parity))
+    if use_gguf:
+        producer = {"name": f"{f16v.name}@{f16v.runtime}", "variant": f16v, "path": f16.path, "hash": f16.hash}
+    else:
+        orig = VariantConfig(name="original")
+        producer = {"name": f"{orig.name}@{orig.runtime}", "variant": orig,
+                    "path": original.checkpoint, "hash": original.hash}
+    refs = {name: build_reference(cfg, original, renderer, name, convs, producer) for name, convs in suites.items()}
+    return refs, producer, parity
+
+
+def evaluate_job(cfg: Config) -> dict:
+    """Evaluate cfg.variant; always leaves a result file (ok, skipped or failed) for the report."""
+    from pipeline.suites.conversation import ChatRenderer
+    from pipeline.stages.prepare import prepare
+    from pipeline.infra.errors import Skip
+    from pipeline.stages.quantize import build_artifact
+
+    started = time.time()
+    variant = cfg.variant
+    base = {"variant": variant.name, "runtime": variant.runtime, "quantizer": variant.quantizer,
+            "description": variant.description, "schema_version": SCHEMA_VERSION}
+    try:
+        original = prepare(cfg.model, cfg.model_dir, force=cfg.force)
+        from pipeline.measure.bandwidth import resolve_device, run_bandwidth
+
+        run_bandwidth(cfg, resolve_device(cfg.runtime.device))   # once per run, before any model is loaded
+        renderer = ChatRenderer(original.checkpoint, cfg.model.trust_remote_code, cfg.model.allow_plain_template)
+        suites = load_suites(cfg, original, renderer)
+        refs, producer, parity = setup_reference(cfg, original, renderer, suites)
+        from pipeline.stages.checks import check_variant
+        from pipeline.stages.deployment import deployment_path, deployment_suites
+        from pipeline.stages.evaluate import evaluate_variant
+        from pipeline.stages.score import score_variant
+        from pipeline.stages.quantize import bits_per_weight
+        from pipeline.suites.records import checks_fingerprint
+        from pipeline.measure.probe import probe_spec
+
+        try:
+            artifact = build_artifact(variant, original, cfg)
+            free = evaluate_variant(cfg, original, renderer, artifact, suites, refs, producer)
+            scores = score_variant(cfg, original, renderer, artifact, suites, refs)
+            served_suites = deployment_suites(cfg, parity, suites)
+            served = (deployment_path(cfg, original, renderer, artifact, suites, served_suites)
+                      if served_suites else None)
+            checked = check_variant(cfg, suites, refs, free, served)
+        except Skip as exc:
+            result = {**base, "status": "skipped", "reason": str(exc)}
+            write_json(result_path(cfg, variant.name), result)
+            log.warning("%s skipped: %s", variant.name, exc)
+            return result
+        result = {
+            **base,
+            "status": "ok",
+            "reason": None,
+            "artifact": {"path": str(artifact.path), "bytes": artifact.bytes, "hash": artifact.hash,
+                         "info": artifact.info,
+                         "bits_per_weight": bits_per_weight(artifact.path, original.facts.get("params"))},
+            # dir: the checks stage's folder (samples.jsonl, served.jsonl); the free-running and scoring stages'
+            # folders beside it
+            "evaluation": {"dir": checked["dir"], "free_running_dir": free["dir"], "manifest_hash": free["key_hash"],
+                           "checks_manifest_hash": checked["key_hash"],
+                           "scores_dir": scores["dir"],
+                           "scores_manifest_hash": scores["key_hash"],
+                           "runtime_info": scores.get("runtime_info") or free.get("runtime_info"),
+                           "free_running_source": free.get("free_running_source"),
+                           "dequantized_check": free.get("dequantized_check"),
+                           "kld_exactness": scores.get("kld_exactness"),
+                           "exact_rows": scores.get("exact_rows"),
+                           "wall_s": sum(m.get("wall_s") or 0 for m in (free, scores, checked))},
+            "deployment": served,
+            # what a speed trial of this variant runs (pipeline.stages.speed measures all variants, interleaved)
+            "probe": probe_spec(cfg, variant, artifact,
+                                probe_prompt(renderer, suites, cfg.profile.speed.prompt_tokens)),
+            "reference": {"producer": producer["name"], "suites": {s: r.hash for s, r in refs.items()}},
+            "checks": {s: checks_fingerprint(convs) for s, convs in suites.items()},
+            "parity": parity,
+            "model": {"name": cfg.model.name, "source": cfg.model.source, "facts": original.facts},
+            "wall_s": time.time() - started,
+        }
+    except ConfigError:
+        raise
+    except Exception as exc:  # a variant that fails is reported, and the other variants still run
+        log.error("%s failed: %s", variant.name, exc)
+        result = {**base, "status": "failed", "reason": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc(limit=8)}
+    write_json(result_path(cfg, variant.name), result)
+    return result
+
+
+def load_result(cfg: Config, variant: str) -> dict | None:
+    path = result_path(cfg, variant)
+    return read_json(path) if path.is_file() else None
