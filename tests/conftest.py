@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,31 @@ def tiny_cfg(tmp_path, tiny_llama):
         ])
 
     return make
+
+
+@pytest.fixture
+def own_processes(monkeypatch):
+    """Marks every process this test starts: its environment carries ``QD_TEST_RUN=<tag>``, which children and
+    theirs inherit, also once re-parented after a kill. Returns a filter that keeps, of a list of pids, only the
+    live ones so marked: a process check then counts this test's own processes, never a user's run beside the
+    tests."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("QD_TEST_RUN", tag)
+    mark = f"QD_TEST_RUN={tag}".encode()
+
+    def own(pids) -> set[int]:
+        out = set()
+        for pid in pids:
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if mark in env and state != "Z":
+                out.add(int(pid))
+        return out
+
+    return own
 
 
 def pytest_collection_modifyitems(config, items):

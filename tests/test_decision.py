@@ -64,10 +64,11 @@ def test_decide_explains_every_loser():
                 "broken": {"status": "failed", "reason": "RuntimeError: boom"}}
     rec = decide(variants, DecisionConfig(max_kld_mean=0.1))
     assert rec["variant"] == "fast"
-    assert "dominated by fast" in rec["reasons"]["slow_same"]
+    # no trials here: the medians compare, and the reason says so with the numbers
+    assert "decode tok/s: 60.0 tok/s against fast's 80.0 tok/s: 0.75×, no paired trials" in rec["reasons"]["slow_same"]
     assert rec["reasons"]["drifty"].startswith("fails constraint: mean KLD 0.3000 > 0.1")
-    assert "Pareto front" in rec["reasons"]["original"]
     assert rec["reasons"]["broken"].startswith("failed: RuntimeError")
+    assert rec["summary"].startswith("best decode tok/s (80.0 tok/s), ahead of slow_same, original")
     assert set(rec["pareto_front"]) == {"original", "fast", "drifty"}
     none = decide(variants, DecisionConfig(max_kld_mean=0.001, min_decode_tokens_per_s=50))
     assert none["variant"] is None and none["closest"] == "original" and "decode 20.0 tok/s < 50" in none["summary"]
@@ -76,12 +77,12 @@ def test_decide_explains_every_loser():
 
 
 @pytest.mark.parametrize("objective, loser_says", [
-    ("decode_speed", "its decode tok/s (20.0 tok/s) is lower than fast's (80.0 tok/s)"),
-    ("memory", "its peak RSS (900 MB) is higher than fast's (200 MB)"),
-    ("size", "its artifact size (858.3 MiB) is higher than fast's (190.7 MiB)"),
+    ("decode_speed", "decode tok/s: 20.0 tok/s against fast's 80.0 tok/s: 0.25×"),
+    ("memory", "peak RSS: 900 MB against fast's 200 MB: 4.50×"),
+    ("size", "artifact size: 858.3 MiB against fast's 190.7 MiB: 4.50×"),
 ])
 def test_a_loser_on_the_objective_is_described_in_that_objective_s_direction(objective, loser_says):
-    """A Pareto-front variant that loses on the objective: for memory and size the loser's figure is HIGHER."""
+    """The loser's figure against the best's, whichever way is better (for memory and size the loser's is HIGHER)."""
     variants = {"original": _variant(0.0, 20, 900), "fast": _variant(0.04, 80, 200)}
     rec = decide(variants, DecisionConfig(objective=objective, max_kld_mean=0.1))
     assert rec["variant"] == "fast"
@@ -159,22 +160,58 @@ def test_pass_rate_ratio_not_measurable_is_reported_not_dropped():
     assert rec["not_measurable"]["a"] == ["pass-rate ratio not measurable: the original passes none of the checks"]
 
 
-def test_speed_ties_are_decided_by_the_paired_test_over_trials():
-    def trials(v, values):
-        v["speed_trials"] = {"values": {"decode_tokens_per_s": values}}
-        return v
+def _trials(v, values, figure="decode_tokens_per_s"):
+    v.setdefault("speed_trials", {"values": {}})["values"][figure] = values
+    return v
 
-    base = [100, 130, 90, 120, 95, 125]
-    variants = {"a": trials(_variant(0.05, 110, 200), base),
-                "noisy_faster": trials(_variant(0.01, 114, 200), [x * f for x, f in
-                                                                  zip(base, (1.3, 0.85, 1.25, 0.85, 1.2, 0.95))]),
-                "slower": trials(_variant(0.0, 80, 200), [x * 0.7 for x in base])}
+
+BASE = [100, 130, 90, 120, 95, 125, 105, 115, 98, 128]
+
+
+def test_speed_ties_are_decided_by_the_paired_test_over_trials_after_the_family_wise_correction():
+    variants = {"a": _trials(_variant(0.05, 110, 200), BASE),
+                "noisy_faster": _trials(_variant(0.01, 114, 200), [x * f for x, f in zip(
+                    BASE, (1.3, 0.85, 1.25, 0.85, 1.2, 0.95, 1.3, 0.8, 1.2, 0.9))]),
+                "slower": _trials(_variant(0.0, 80, 200), [x * 0.7 for x in BASE])}
     rec = decide(variants, DecisionConfig(tie_tolerance=0.0))
-    # 'noisy_faster' leads on the median but is not significantly different from 'a': a tie, lowest drift wins
-    assert rec["variant"] == "noisy_faster" and "ties: a" in rec["summary"]
-    assert "sign-flip p=" in rec["reasons"]["a"]
-    assert rec["ties"]["slower"]["p"] == pytest.approx(2 / 64) and not rec["ties"]["slower"]["tied"]
-    assert "is lower than" in rec["reasons"]["slower"]
+    step = rec["steps"][0]
+    # 'noisy_faster' leads on the median; 'a' is not significantly different: a tie, decided by the next steps
+    assert step["lead"] == "noisy_faster" and step["tied"] == ["noisy_faster", "a"] and step["behind"] == ["slower"]
+    t = step["tests"]["slower"]
+    assert t["p"] == pytest.approx(2 / 1024) and t["p_adjusted"] == pytest.approx(2 * 2 / 1024) and not t["tied"]
+    assert "holm-adjusted p=0.004 < 0.05" in rec["reasons"]["slower"]
+    assert rec["variant"] == "noisy_faster" and "drift" in [s["objective"] for s in rec["steps"]]
+    assert "sign-flip p=" in rec["reasons"]["a"] and "ties noisy_faster's" in rec["reasons"]["a"]
+    # six rounds: 2/64 per test, and Holm over the two comparisons leaves nothing significant: all tie on speed
+    six = {n: _trials(_variant(v["drift"]["kld_mean"], v["speed"]["decode_tokens_per_s"], 200),
+                      v["speed_trials"]["values"]["decode_tokens_per_s"][:6]) for n, v in variants.items()}
+    rec6 = decide(six, DecisionConfig(tie_tolerance=0.0))
+    assert rec6["steps"][0]["tied"] == ["noisy_faster", "a", "slower"]
+    assert rec6["steps"][0]["tests"]["slower"]["p_adjusted"] == pytest.approx(2 * 2 / 64)
+    assert rec6["variant"] == "slower"          # the lowest drift of those tied on every step
+    none = decide(six, DecisionConfig(tie_tolerance=0.0, multiple_comparisons="none"))
+    assert none["steps"][0]["behind"] == ["slower"]
+
+
+def test_a_difference_inside_the_aa_floor_is_a_tie_and_a_noisy_aa_pair_ranks_nothing():
+    variants = {"best": _trials(_variant(0.05, 110, 200), BASE),
+                "close": _trials(_variant(0.01, 104, 200), [x * 0.94 for x in BASE]),
+                "far": _trials(_variant(0.02, 80, 200), [x * 0.7 for x in BASE])}
+    quiet = {"control": "best", "figures": {"decode_tokens_per_s": {"ratio": 1.02, "low": 0.9, "high": 1.1,
+                                                                      "rounds": 10, "p": 0.6, "tied": True,
+                                                                      "floor": 0.1}}}
+    rec = decide(variants, DecisionConfig(tie_tolerance=0.0), quiet)
+    step = rec["steps"][0]
+    # 'close' is 6 % slower in every round (p far under alpha) but inside the run's ±10 % A/A floor: a tie
+    assert step["tests"]["close"]["p_adjusted"] < 0.05 and step["tied"] == ["best", "close"]
+    assert step["behind"] == ["far"] and "outside the A/A floor ±10%" in rec["reasons"]["far"]
+    assert rec["variant"] == "close" and "inside the A/A floor ±10%" in rec["summary"]
+    loud = {"control": "best", "figures": {"decode_tokens_per_s": {**quiet["figures"]["decode_tokens_per_s"],
+                                                                     "p": 0.002, "tied": False, "ratio": 0.8}}}
+    rec = decide(variants, DecisionConfig(tie_tolerance=0.0), loud)
+    assert rec["steps"][0]["status"] == "too noisy" and "too noisy to rank" in rec["summary"]
+    assert rec["variant"] == "close"     # memory ties (no trials, equal), then drift decides
+    assert "decode tok/s not ranked: this run's A/A pair differs" in rec["reasons"]["far"]
 
 
 def test_a_significant_drop_of_checks_at_conversation_level_fails():
@@ -201,3 +238,33 @@ def test_minimum_detectable_effect_shrinks_with_more_conversations():
     assert not few["no_signal_for_flips"]
     blind = [_sample("s", f"c{i}", [False, i == 0], [True, True]) for i in range(8)]     # the original passes 1 in 16
     assert minimum_detectable(blind, {})["s"]["no_signal_for_flips"]
+
+
+def test_a_format_on_no_native_kernel_is_not_ranked_on_speed_and_its_drift_still_counts():
+    fast_dense = _variant(0.01, 500, 100)
+    fast_dense["no_native_kernel"] = "no native kernel on this device: torch.nn.Linear (float32), dequantized at load"
+    variants = {"q8": _variant(0.02, 80, 200), "awq": fast_dense, "drifty": _variant(0.5, 90, 150)}
+    rec = decide(variants, DecisionConfig(max_kld_mean=0.1))
+    assert rec["variant"] == "q8"
+    assert rec["reasons"]["awq"].startswith("meets every constraint, but no native kernel on this device")
+    assert "not ranked on decode tok/s" in rec["reasons"]["awq"] and "awq" not in rec["pareto_front"]
+    rec = decide({"awq": fast_dense, "drifty": variants["drifty"]}, DecisionConfig(max_kld_mean=0.1))
+    assert rec["variant"] is None or rec["variant"] != "awq"
+    assert decide({"awq": fast_dense}, DecisionConfig(max_kld_mean=0.001))["reasons"]["awq"].startswith(
+        "fails constraint: mean KLD")          # its drift is judged like any other variant's
+
+
+def test_the_drop_of_checks_is_judged_after_the_family_wise_correction():
+    def dropping(p_value):
+        v = _variant(0.01, 50, 100)
+        v["free_running"] = {"conversation_test": {"conversations": 16, "mean_difference": -0.1, "p": p_value}}
+        return v
+
+    variants = {f"v{i}": dropping(p) for i, p in enumerate((0.0096, 0.2, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))}
+    rec = decide(variants, DecisionConfig())
+    t = rec["pass_drop"]["v0"]
+    assert t["p_adjusted"] == pytest.approx(9 * 0.0096) and not t["fails"] and t["family"] == 9
+    assert "v0" not in [n for n, r in rec["reasons"].items() if r.startswith("fails")]
+    raw = decide(variants, DecisionConfig(multiple_comparisons="none"))
+    assert raw["pass_drop"]["v0"]["fails"] and "checks significantly worse" in raw["reasons"]["v0"]
+    assert "none-adjusted over 9 variants p=0.010 < 0.05" in raw["reasons"]["v0"]

@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import uuid
 from collections import namedtuple
 from pathlib import Path
 
@@ -144,29 +143,20 @@ def _drift(summary: dict) -> dict:
             for n, v in summary["variants"].items()}
 
 
-def _probe_workers_left(tag: str, wait_s: float = 10.0) -> list[int]:
-    """Live speed-probe worker processes (``python -m pipeline.measure.probe``) started by this test: those whose
-    environment carries ``QD_TEST_RUN=tag`` (inherited from the run the test started, also once a killed parent's
-    children are re-parented), after giving the kernel's parent-death signal a moment to arrive. A user's own run
-    on the same machine has no such tag and is never counted."""
+def _probe_workers_left(own, wait_s: float = 10.0) -> set[int]:
+    """Live speed-probe worker processes (``python -m pipeline.measure.probe``) this test started (``own``: the
+    ``own_processes`` filter), after giving the kernel's parent-death signal a moment to arrive."""
     import time
 
-    mark = f"QD_TEST_RUN={tag}".encode()
-
-    def live() -> list[int]:
+    def live() -> set[int]:
         pids = []
         for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
             try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-                env = (entry / "environ").read_bytes().split(b"\0")
-                state = (entry / "stat").read_text().split(")")[-1].split()[0]
+                if entry.name.isdigit() and b"pipeline.measure.probe" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
             except OSError:
                 continue
-            if b"pipeline.measure.probe" in cmd and mark in env and state != "Z":
-                pids.append(int(entry.name))
-        return pids
+        return own(pids)
 
     deadline = time.time() + wait_s
     while (left := live()) and time.time() < deadline:
@@ -174,7 +164,7 @@ def _probe_workers_left(tag: str, wait_s: float = 10.0) -> list[int]:
     return left
 
 
-def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, tiny_llama):
+def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, tiny_llama, own_processes):
     """kill -9 at the F16 conversion, the reference (transcripts, exact rows), the evaluation (free-running,
     scoring), the speed trials and the report; each rerun
     resumes, and the final summary's drift equals an uninterrupted run's."""
@@ -191,14 +181,12 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, ti
     for args in (sweep, report):
         assert subprocess.run(exe + args + common + paths(clean), capture_output=True, timeout=900).returncode == 0
     killed = tmp_path / "killed"
-    tag = uuid.uuid4().hex
-    env = {**os.environ, "QD_TEST_RUN": tag}
     for args, marker in ((sweep, "convert:f16-gguf: building"), (sweep, "reference:smoke: building"),
                          (sweep, "reference:smoke:logprobs: building"), (sweep, "reference:smoke:exact_rows: building"),
                          (sweep, "evaluate:gguf_q8_0: building"), (sweep, "score:gguf_q8_0: building"),
                          (report, "speed: trial 2/"), (report, "report: summarising")):
         proc = subprocess.Popen(exe + args + common + paths(killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env)
+                                text=True)
         seen = False
         for line in proc.stdout:
             if marker in line:
@@ -208,7 +196,7 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, ti
         proc.wait(timeout=900)
         # strict: a renamed log line must fail here, not turn the test into a plain run
         assert seen, f"the log line {marker!r} never appeared, so nothing was killed"
-        assert not _probe_workers_left(tag), "a speed probe worker outlived the killed run"
+        assert not _probe_workers_left(own_processes), "a speed probe worker outlived the killed run"
     for args in (sweep, report):
         r = subprocess.run(exe + args + common + paths(killed), capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

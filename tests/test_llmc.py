@@ -109,6 +109,11 @@ def test_an_llm_compressor_artifact_loads_scores_and_reports_its_producer_in_the
     assert 0 < v["drift"]["kld_mean"] < 1.0 and v["artifact"]["bits_per_weight"] < 16
     assert "llm-compressor 0.14.0.1" in (report.results_dir / "report.md").read_text()
     assert "dequantized at load from compressed-tensors pack-quantized" in v["kernel"]
+    # no native kernel on a CPU: its speed and memory are a dense model's, so none is shown, ranked or planned with
+    assert v["no_native_kernel"].startswith("no native kernel on this device") and v["roofline"] is None
+    assert "capacity" not in v and "awq_w4_llmc" not in summary["recommendation"]["pareto_front"]
+    md = (report.results_dir / "report.md").read_text()
+    assert "awq_w4_llmc ‡" in md and "‡ `awq_w4_llmc`: no native kernel on this device" in md
     # free-running asked for the dequantized stand-in (the variant's free_running: dequantized), and the check
     # of the stand-in against the kernel ran, whichever way it decided
     check = v["paths"]["dequantized_check"]

@@ -132,7 +132,8 @@ def test_the_decision_ranks_by_throughput_at_slo_and_names_the_workload():
     variants["a"]["load"]["throughput_at_slo_interval"]["high"] = 295.0
     out = decide(variants, DecisionConfig(objective="throughput_at_slo", max_kld_mean=0.1, confidence="point",
                                           max_pass_drop_p=None))
-    assert out["variant"] == "a" and out["ties"]["a"]["tied"]
+    assert out["variant"] == "a" and out["steps"][0]["tests"]["a"]["tied"]
+    assert "the load sweep's ranges overlap" in out["summary"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -156,11 +157,10 @@ def _chat(url: str, text: str, max_tokens: int) -> dict:
         return json.loads(r.read())
 
 
-def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gguf, tmp_path):
+def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gguf, tmp_path, own_processes):
     from pipeline.servers.llama_server import LlamaServer
     from pipeline.servers.base import pids_of
 
-    before = set(pids_of(server_exe))
     server = LlamaServer(server_exe, embedded_gguf, threads=1, slots=2, ctx_per_slot=256, flash_attn=True,
                          log_path=tmp_path / "server.log")
     with server:
@@ -178,7 +178,7 @@ def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gg
         assert server.peak_rss_mb() > 50
         assert server.wait_idle(timeout_s=10)          # /slots: no slot processing
     assert not server.healthy()
-    assert set(pids_of(server_exe)) - before == set()
+    assert own_processes(pids_of(server_exe)) == set()
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
     assert "--cont-batching" in (tmp_path / "server.log").read_text()
 
@@ -202,21 +202,20 @@ def test_an_engine_without_a_finer_signal_is_idle_once_its_process_stops_using_t
     assert engine.wait_idle(timeout_s=2) is False          # reaped: no process to read
 
 
-def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_nothing(server_exe, tmp_path):
+def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_nothing(server_exe, tmp_path, own_processes):
     from pipeline.servers.llama_server import LlamaServer
     from pipeline.servers.base import ServerError, pids_of
 
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
-    before = set(pids_of(server_exe))
     with pytest.raises(ServerError, match="exited with status"):
         with LlamaServer(server_exe, bad, threads=1, slots=1, ctx_per_slot=128, flash_attn=False,
                          log_path=tmp_path / "bad.log", startup_timeout_s=30):
             pass
-    assert set(pids_of(server_exe)) - before == set()
+    assert own_processes(pids_of(server_exe)) == set()
 
 
-def test_no_server_outlives_a_run_killed_with_sigkill(server_exe, embedded_gguf, tmp_path):
+def test_no_server_outlives_a_run_killed_with_sigkill(server_exe, embedded_gguf, tmp_path, own_processes):
     from pipeline.servers.base import pids_of
 
     script = f"""
@@ -228,7 +227,6 @@ with LlamaServer(Path({str(server_exe)!r}), Path({str(embedded_gguf)!r}), thread
     print(s.proc.pid, flush=True)
     time.sleep(600)
 """
-    before = set(pids_of(server_exe))
     run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                            cwd=str(__import__("pipeline").__path__[0] + "/.."))
     try:
@@ -240,13 +238,13 @@ with LlamaServer(Path({str(server_exe)!r}), Path({str(embedded_gguf)!r}), thread
         while pid in pids_of(server_exe) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert pid not in pids_of(server_exe)
-        assert set(pids_of(server_exe)) - before == set()
+        assert own_processes(pids_of(server_exe)) == set()
     finally:
         if run.poll() is None:
             run.kill()
 
 
-def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reason(server_exe, tiny_cfg):
+def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reason(server_exe, tiny_cfg, own_processes):
     """run_load on the tiny model: gguf_q8_0 served by the real llama-server (a fresh one per round) under a load
     generator that sends real requests at each level; the original (transformers) is skipped with its reason; the
     summary, report section and plots come out; every server is stopped."""
@@ -279,12 +277,11 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
         return out
 
     generate.version = "test generator"
-    before = set(pids_of(server_exe))
     cfg = tiny_cfg("command=load", "run.variants=[original,original+kv_int8,gguf_q8_0]", "load.repeats=2",
                    "load.concurrency=[1,2]",
                    "load.depths=[64]", "load.output_tokens=4", "runtime.threads=1")
     result = run_load(cfg, generate=generate)
-    assert set(pids_of(server_exe)) - before == set()
+    assert own_processes(pids_of(server_exe)) == set()
     assert result["variants"]["original"]["status"] == "skipped"
     assert "not in this sweep" in result["variants"]["original"]["reason"]      # load=short: llamacpp only
     # a variant no engine can serve says so, whichever runtimes the sweep serves
@@ -344,7 +341,7 @@ def _post(url: str, text: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def test_hf_variants_are_served_by_transformers_serve_and_the_int8_cache_is_skipped_with_why(tiny_cfg):
+def test_hf_variants_are_served_by_transformers_serve_and_the_int8_cache_is_skipped_with_why(tiny_cfg, own_processes):
     """run_load with load.runtimes=[hf] on the tiny model: the original served by a real `transformers serve
     --continuous-batching` (a fresh one per round), every request asking through the engine's own fields for exactly
     N tokens (the tiny random model would otherwise stop at whatever end-of-sequence it draws); the int8 KV-cache
@@ -382,9 +379,8 @@ def test_hf_variants_are_served_by_transformers_serve_and_the_int8_cache_is_skip
                    "load.repeats=2", "load.concurrency=[1]", "load.depths=[32]", "load.output_tokens=6",
                    "runtime.threads=1")
     marker = "--continuous-batching"
-    before = set(pids_running(marker))
     result = run_load(cfg, generate=generate)
-    assert set(pids_running(marker)) - before == set()
+    assert own_processes(pids_running(marker)) == set()
     orig = result["variants"]["original"]
     assert orig["status"] == "ok", orig
     assert orig["engine"] == "transformers serve" and "transformers serve 5." in orig["engine_version"]

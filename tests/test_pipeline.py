@@ -135,3 +135,23 @@ def test_a_result_from_another_schema_is_reported_skipped_not_misread(tmp_path):
     old = {"status": "ok", "runtime": "llamacpp", "description": "x", "evaluation": {"dir": str(tmp_path / "gone")}}
     v = variant_summary(old)
     assert v["status"] == "skipped" and "summary schema 1" in v["reason"] and "make compare" in v["reason"]
+
+
+@pytest.mark.slow
+def test_a_variant_generated_on_another_runtime_is_checked_against_the_original_on_that_runtime(tiny_cfg):
+    """The reference comes from the F16 GGUF on llama.cpp; original+kv_int8 generates on transformers. Its checks are
+    also read against the original's own replies on transformers (a stage shared by every such variant), and the
+    original there against the reference is the runtime switch's own flip floor, in the summary and the report."""
+    variants = ["original", "original+kv_int8"]
+    for v in variants:
+        assert run(tiny_cfg(f"variant={v}")) == 0
+    cfg = tiny_cfg("command=report", f"run.variants=[{','.join(variants)}]")
+    assert run(cfg) == 0
+    summary = json.loads((cfg.results_dir / "summary.json").read_text())
+    assert summary["reference"]["runtime"].endswith("@llamacpp")
+    sr = summary["variants"]["original+kv_int8"]["free_running"]["same_runtime"]
+    assert sr["runtime"] == "hf" and sr["vs_original_same_runtime"]["checks"] > 0
+    assert summary["runtime_floor"]["hf"] == sr["runtime_switch_floor"]
+    assert summary["variants"]["original"]["free_running"]["same_runtime"] is None
+    assert (cfg.model_dir / "runs" / "smoke" / "original@hf" / "transcripts.jsonl").is_file()
+    assert "the original on hf (runtime switch floor)" in (cfg.results_dir / "report.md").read_text()

@@ -38,8 +38,11 @@ def test_a_worker_loads_once_and_measures_every_trial_it_is_asked_for(tiny_llama
         assert trial["decode_tokens"] == 8 and trial["prompt_tokens"] == 32
         assert trial["decode_tokens_per_s"] > 0 and trial["ttft_s"] > 0 and trial["peak_rss_mb"] > 0
         assert 0.0 <= trial["cpu_noise"] <= 1.0 and trial["noisy"] is False
-    # loaded once: both trials carry the same load time, and their timings are their own
+        # the trial's own peak (high-water mark reset at its start), the load's peak and the size after it apart
+        assert trial["peak_rss_per_trial"] is True and trial["load_peak_rss_mb"] >= trial["steady_rss_mb"] > 0
+    # loaded once: both trials carry the same load time and load memory, and their timings are their own
     assert first["load_s"] == second["load_s"] > 0
+    assert first["load_peak_rss_mb"] == second["load_peak_rss_mb"]
     assert json.dumps(first["runtime_info"]) == json.dumps(second["runtime_info"])
     deadline = time.time() + 10
     while _alive(pid) and time.time() < deadline:
@@ -47,21 +50,19 @@ def test_a_worker_loads_once_and_measures_every_trial_it_is_asked_for(tiny_llama
     assert not _alive(pid), "close() left the worker running"
 
 
-def test_without_a_worker_a_trial_runs_in_a_fresh_process_that_is_gone_after(tiny_llama):
-    before = {p for p in os.listdir("/proc") if p.isdigit()}
+def test_without_a_worker_a_trial_runs_in_a_fresh_process_that_is_gone_after(tiny_llama, own_processes):
     trial = run_trial(_spec(tiny_llama), 1.0, "original")
     assert trial["decode_tokens_per_s"] > 0
     time.sleep(0.2)
-    after = {p for p in os.listdir("/proc") if p.isdigit()} - before
+    probes = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, "pipeline.measure.probe")]
+    assert own_processes(probes) == set()
 
-    def ours(pid: str) -> bool:      # a child of this test process (a user's own run beside the tests is not)
-        try:
-            return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid()
-        except (OSError, ValueError, IndexError):
-            return False
 
-    assert not [p for p in after if ours(p) and _alive(int(p))
-                and "pipeline.measure.probe" in open(f"/proc/{p}/cmdline").read()]
+def _cmdline_has(pid: str, text: str) -> bool:
+    try:
+        return text in open(f"/proc/{pid}/cmdline").read()
+    except OSError:
+        return False
 
 
 def test_a_worker_that_cannot_load_its_variant_fails_with_the_reason_and_exits(tmp_path):
@@ -95,3 +96,21 @@ def test_the_speed_stage_keeps_one_loaded_worker_per_label_across_rounds(tiny_cf
     run = speed.measure_speed(tiny_cfg("profile.speed.trials=2", "force=true"), results)
     assert run["workers"] == speed.WORKERS_FRESH == "one per trial"
     assert len({t["load_s"] for t in run["trials"]["original"]}) == 2
+
+
+def test_each_trial_reads_its_own_peak_not_the_process_high_water_mark():
+    """The probe resets the resident high-water mark at each trial's start: a trial that allocates little after one
+    that allocated much reads its own, lower peak (a kept process would otherwise report its highest peak, its
+    load's, in every trial)."""
+    import numpy as np
+
+    from pipeline.measure.memory import peak_rss_mb, reset_peak_rss
+
+    assert reset_peak_rss(), "this kernel refuses /proc/self/clear_refs"
+    big = np.ones(256 * 2**20 // 8)
+    big[:: 4096 // 8] = 2.0
+    first = peak_rss_mb()
+    del big
+    assert reset_peak_rss()
+    second = peak_rss_mb()
+    assert first - second > 200, (first, second)

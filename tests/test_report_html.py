@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -43,8 +44,9 @@ def small_report(tmp_path_factory, tiny_llama):
     variants = ["original", "gguf_q8_0", "original+kv_int8"]
     for v in variants:
         assert run(cfg(f"variant={v}")) == 0
-    samples_path = root / "artifacts" / "tiny" / "runs" / "smoke" / "gguf_q8_0" / "samples.jsonl"
-    assert load_result(cfg("variant=gguf_q8_0"), "gguf_q8_0")["status"] == "ok"
+    result = load_result(cfg("variant=gguf_q8_0"), "gguf_q8_0")
+    assert result["status"] == "ok"
+    samples_path = Path(result["evaluation"]["dir"]) / "samples.jsonl"       # the checks stage's rows
     rows = read_jsonl(samples_path)
     for r in rows:
         r["variant_text"] = INJECTION + r["variant_text"]

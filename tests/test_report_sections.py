@@ -29,11 +29,13 @@ def ok_variant(kld: float, tps: float, rss: float, turns: dict | None = None, re
     turns = turns if turns is not None else {"smoke:1": {"mean": kld, "n": 10}}
     return {
         "status": "ok", "reason": None, "description": None, "runtime": "hf", "kernel": "torch", "runtime_info": {},
+        "no_native_kernel": None,
         "drift": drift,
         "intervals": {"kld_mean": _iv(kld), "top1_agreement": _iv(1 - kld, 0.01), "delta_nll": _iv(kld / 3),
                       "pass_rate": _iv(0.75), "pass_rate_delta": _iv(-0.125), "flip_rate": _iv(0.125),
                       "decode_tokens_per_s": _iv(tps), "peak_rss_mb": _iv(rss, 0.02)},
-        "speed_trials": {"rounds": 3, "values": {"decode_tokens_per_s": [tps * 0.9, tps, tps * 1.1]}, "failed": []},
+        "speed_trials": {"rounds": 6, "values": {"decode_tokens_per_s": [tps * f for f in (0.9, 1.0, 1.1, 0.95, 1.05, 1.0)],
+                                                 "peak_rss_mb": [rss] * 6}, "failed": []},
         "drift_detail": {"kld_by_position": {"0-127": {"mean": kld, "n": 300}, "128-255": {"mean": kld * 2, "n": 200}},
                          "kld_by_turn": turns, "kld_by_suite": {},
                          "kld_percentiles": {"99.9": kld * 6, "99": kld * 4, "90": kld * 2, "50": kld / 2, "10": 0.0,
@@ -43,7 +45,7 @@ def ok_variant(kld: float, tps: float, rss: float, turns: dict | None = None, re
         "power": {"smoke": {"conversations": 4, "checks": 8, "reference_pass_rate": 0.875, "mde_pass_rate": 0.6,
                             "mde_kld_ratio": 2.5}},
         "free_running": {"checks": 8, "pass_rate": 0.75, "reference_pass_rate": 0.875, "pass_to_fail": 1,
-                         "fail_to_pass": 0, "mcnemar_p": 1.0, "chrf_mean": 81.5, "replies": 4,
+                         "fail_to_pass": 0, "mcnemar_p": 1.0, "mcnemar_p_adjusted": 1.0, "chrf_mean": 81.5, "replies": 4,
                          "degenerate_replies": 0, "by_suite": {}, "source": "hf",
                          "conversation_test": {"conversations": 4, "mean_difference": -0.125, "p": 0.5,
                                                "test": "sign-flip"}},
@@ -55,7 +57,8 @@ def ok_variant(kld: float, tps: float, rss: float, turns: dict | None = None, re
         "speed": {"ttft_s": 0.0421, "prefill_tokens_per_s": 950.0, "decode_tokens_per_s": tps, "itl_p50_s": 1 / tps,
                   "itl_p99_s": 1.5 / tps, "prompt_tokens": 64, "decode_tokens": 32, "repeats": 1, "cpu_noise": 0.02,
                   "trials": 3, "noisy_trials": 0, "load_s": 0.4},
-        "memory": {"artifact_bytes": int(rss * 2**19), "peak_rss_mb": rss, "kv_bytes_per_token": 4096.0,
+        "memory": {"artifact_bytes": int(rss * 2**19), "peak_rss_mb": rss, "load_peak_rss_mb": rss * 1.5,
+                   "steady_rss_mb": rss * 0.9, "kv_bytes_per_token": 4096.0,
                    "kv_bytes_per_token_reported": 4100.0, "kv_reported_source": "hf cache tensors",
                    "kv_cache": "float32", "kv_formula_gap": 0.001, "kv_gap_flagged": False},
         "artifact": {"path": "/x", "format": "safetensors", "gguf_type": None, "tensor_types": {"F32": 3},
@@ -69,7 +72,15 @@ def ok_variant(kld: float, tps: float, rss: float, turns: dict | None = None, re
 
 
 def make_summary(variants: dict, history_run: str = "smoke") -> dict:
+    import dataclasses
+
+    from pipeline.config.commands import DecisionConfig
+    from pipeline.decide.recommendation import decide
+
     names = [n for n, v in variants.items() if v["status"] == "ok"]
+    noise = {"control": names[0] if names else None, "rounds": 6, "alpha": 0.05, "test": "sign-flip",
+             "figures": {"decode_tokens_per_s": {"ratio": 1.01, "low": 0.95, "high": 1.07, "rounds": 6,
+                                                 "p": 0.75, "tied": True, "floor": 0.07}}}
     return {
         "schema_version": SCHEMA_VERSION, "created_unix": 0.0,
         "run": {"name": history_run, "profile": "smoke", "suites": ["smoke"], "threads": 2, "device": "cpu"},
@@ -78,14 +89,11 @@ def make_summary(variants: dict, history_run: str = "smoke") -> dict:
                   "vocab_size": 49152, "context_length": 2048},
         "reference": {"runtime": "hf", "top_k": 32, "parity": None},
         "variants": variants,
-        "recommendation": {"variant": names[-1] if names else None, "decision": "default", "objective": "decode_speed",
-                           "summary": "fastest within the drift limits",
-                           "reasons": {n: "slower" for n in names}, "pareto_front": names[1:]},
-        "decision_config": {}, "capacity": {"memory_budget_gb": [16], "context_tokens": 4096, "headroom": 0.2},
+        "recommendation": decide(variants, DecisionConfig(max_kld_mean=0.1), noise),
+        "decision_config": dataclasses.asdict(DecisionConfig(max_kld_mean=0.1)),
+        "capacity": {"memory_budget_gb": [16], "context_tokens": 4096, "headroom": 0.2},
         "bandwidth": {"bytes_per_s": 2e10, "method": "numpy copy"},
-        "speed_noise": {"control": names[0] if names else None, "rounds": 3, "alpha": 0.05, "test": "sign-flip",
-                        "figures": {"decode_tokens_per_s": {"ratio": 1.01, "low": 0.95, "high": 1.07, "rounds": 3,
-                                                            "p": 0.75, "tied": True, "floor": 0.07}}},
+        "speed_noise": noise,
         "speed_protocol": {"rounds": 3, "order": [], "prompt_tokens": 64, "decode_tokens": 32, "repeats": 1,
                            "warmup": 1, "max_cpu_noise": 0.15},
         "versions": {"torch": "0"}, "hardware": {"cpu": "test cpu", "cores": 2},
@@ -183,10 +191,10 @@ def test_the_run_time_table_names_the_short_sweep_and_lists_make_loads_sweep_out
 def test_main_and_speed_tables_take_labels_and_formats_from_the_catalogue():
     s = three_variants()
     head, rows = main_table(s)
-    for name in ("kld_mean", "kld_p99", "top1_agreement", "delta_nll", "pass_rate"):
+    for name in ("kld_mean", "kld_p99", "top1_agreement", "delta_nll", "pass_rate", "flip_rate"):
         m = BY_NAME[name]
         assert metric_head(m, bool(m.interval)) in head and m.label in metric_head(m), name
-    assert len(head) == 12 and all(len(r) == len(head) for r in rows)
+    assert len(head) == 13 and all(len(r) == len(head) for r in rows)
     q8 = rows[[r[0] for r in rows].index("q8")]
     assert q8[head.index(metric_head(BY_NAME["top1_agreement"], True))] == "99.8% [98.8%, 100.8%]"   # ".1%"
     assert q8[head.index(metric_head(BY_NAME["kld_mean"], True))] == "0.0020 [0.0018, 0.0022]"     # ".4f"
@@ -278,7 +286,6 @@ def test_the_committed_default_report_is_what_its_summary_renders():
     line (the plots are placed where the committed report placed them). A change in the report code that moves a
     figure, a reason or a table shows here before it reaches a reader."""
     import json
-    from pathlib import Path
 
     from pipeline.config.schema import PROJECT_ROOT
 
@@ -291,3 +298,56 @@ def test_the_committed_default_report_is_what_its_summary_renders():
         assert rendered == committed, next(f"{path.parent}: line {i + 1}: {a!r} != {b!r}" for i, (a, b) in
                                            enumerate(zip(rendered.splitlines() + [""], committed.splitlines() + [""]))
                                            if a != b)
+
+
+_NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:[.,]\d+)*(?:%|×)?(?![\w])")
+
+
+def reason_numbers_missing_from_tables(md: str) -> dict[str, list[str]]:
+    """Every number the recommendation and the reasons of the ok variants state, that no table of the report shows
+    (a reason that quotes a figure must quote one of the tables' own): {line: [missing numbers]}."""
+    lines = md.splitlines()
+    in_tables = {tok for line in lines if line.startswith("|") for tok in _NUMBER.findall(line)}
+    reasons = [line for line in lines if line.startswith("**Ship `")]
+    start = lines.index("Why the others lost:") if "Why the others lost:" in lines else len(lines)
+    for line in lines[start + 1:]:
+        if not line.strip():
+            if reasons and len(reasons) > 1:
+                break
+            continue
+        if not line.startswith("- `"):
+            break
+        reason = line.split(": ", 1)[1]
+        if not reason.startswith(("skipped:", "failed:")):        # a variant that did not run quotes its error
+            reasons.append(line)
+    missing = {}
+    for line in reasons:
+        gone = [tok for tok in _NUMBER.findall(line.split(": ", 1)[1]) if tok not in in_tables]
+        if gone:
+            missing[line] = gone
+    return missing
+
+
+def test_every_number_a_reason_states_is_in_the_reports_tables():
+    s = three_variants()
+    s["variants"]["q4"]["drift"]["kld_mean"] = 0.2                  # fails the default limit
+    s["variants"]["q4"]["intervals"]["kld_mean"] = _iv(0.2)
+    from pipeline.config.commands import DecisionConfig
+    from pipeline.decide.recommendation import decide
+
+    s["recommendation"] = decide(s["variants"], DecisionConfig(max_kld_mean=0.1), s["speed_noise"])
+    md = render_markdown(s, {})
+    assert "Why the others lost:" in md and s["recommendation"]["variant"] == "q8"
+    assert reason_numbers_missing_from_tables(md) == {}
+    # the check can fail: a reason quoting a figure no table shows
+    broken = md.replace("Why the others lost:\n\n- `", "Why the others lost:\n\n- `original`: decode 123.4 tok/s\n- `")
+    assert reason_numbers_missing_from_tables(broken) == {"- `original`: decode 123.4 tok/s": ["123.4"]}
+
+
+def test_every_number_a_reason_of_the_committed_report_states_is_in_its_tables():
+    from pathlib import Path
+
+    from pipeline.config.schema import PROJECT_ROOT
+
+    for path in sorted((PROJECT_ROOT / "results").glob("*/quick/report.md")):
+        assert reason_numbers_missing_from_tables(Path(path).read_text()) == {}, path

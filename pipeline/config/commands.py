@@ -57,6 +57,9 @@ class DecisionConfig:
     confidence: str = "upper"
     # Significance level of the paired tests the decision uses (speed ties over interleaved trials).
     alpha: float = 0.05
+    # The family-wise correction of every "significantly worse" test across the variants of a run (the checks'
+    # drop against the original, a slower or larger variant than the best): holm (step-down), bonferroni or none.
+    multiple_comparisons: str = "holm"
     # A variant whose checks fall below the original's in the conversation-level sign-flip test with p under this
     # fails (null: off).
     max_pass_drop_p: float | None = 0.05
@@ -66,6 +69,7 @@ class DecisionConfig:
     def __post_init__(self) -> None:
         _one_of("decision.objective", self.objective, ("decode_speed", "memory", "size", "throughput_at_slo"))
         _one_of("decision.confidence", self.confidence, ("point", "upper"))
+        _one_of("decision.multiple_comparisons", self.multiple_comparisons, ("holm", "bonferroni", "none"))
         for key in ("alpha", "max_pass_drop_p"):
             x = getattr(self, key)
             _require((x is None and key != "alpha") or (isinstance(x, (int, float)) and 0 < x < 1),

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 # 2: the metric catalogue (tail mass of the reference's top-K, the deployment path, tokenizer divergence).
 # 3: speed and peak RSS from interleaved trials with intervals (and the A/A noise floor), p99.9 KLD and Δp,
 #    the pass-rate ratio interval, the conversation-level test and minimum detectable effects.
-SCHEMA_VERSION = 3
+# 4: peak RSS per trial with the load's peak and the resident size after it apart, family-wise adjusted p-values,
+#    the runtime switch's flip floor and flips against the original on the same runtime, "no native kernel".
+SCHEMA_VERSION = 4
 # Summaries the gate still reads: a metric that one side lacks is reported as "not compared", never a regression.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 SECTIONS = ("drift", "speed", "memory")
 
 
@@ -76,7 +78,10 @@ METRICS: tuple[Metric, ...] = (
     # file sizes move with the quantizer's version, so they are compared only in the same environment
     Metric("artifact_bytes", "memory", "lower", "artifact size", ".1f", "memory", "bytes", integer=True,
            display_scale=1 / 2**20, display_unit="MiB"),
+    # each speed trial's own resident peak (the high-water mark reset at the trial's start), apart from the load's
     Metric("peak_rss_mb", "memory", "lower", "peak RSS", ".0f", "memory", "MB", "peak_rss_mb"),
+    Metric("load_peak_rss_mb", "memory", "lower", "load peak RSS", ".0f", "memory", "MB", "load_peak_rss_mb"),
+    Metric("steady_rss_mb", "memory", "lower", "RSS after load", ".0f", "memory", "MB", "steady_rss_mb"),
     Metric("kv_bytes_per_token", "memory", "lower", "KV bytes/token", ".0f", "memory", "bytes", None, True),
     Metric("kv_bytes_per_token_reported", "memory", None, "KV bytes/token (runtime)", ".0f", "memory", "bytes"),
 )
@@ -142,11 +147,21 @@ def summary_schema() -> dict:
 
     interval = {"type": "object", "required": ["estimate", "low", "high"],
                 "properties": {k: {"type": ["number", "null"]} for k in ("estimate", "low", "high", "level")}}
+    p_value = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
+    # a "significantly worse" test: its raw p-value and the family-wise adjusted one (decision.multiple_comparisons)
+    adjusted_test = {"type": "object", "required": ["p", "p_adjusted", "method"],
+                     "properties": {"p": p_value, "p_adjusted": p_value,
+                                    "method": {"enum": ["holm", "bonferroni", "none"]}}}
     ok_variant = {
         "type": "object",
-        "required": ["status", "runtime", *SECTIONS, "intervals", "free_running", "artifact", "paths"],
+        "required": ["status", "runtime", *SECTIONS, "intervals", "free_running", "artifact", "paths",
+                     "no_native_kernel"],
         "properties": {"status": {"const": "ok"}, **{s: section(s) for s in SECTIONS},
                        "intervals": {"type": "object", "additionalProperties": interval},
+                       "free_running": {"type": "object", "required": ["mcnemar_p", "mcnemar_p_adjusted"],
+                                        "properties": {"mcnemar_p": p_value, "mcnemar_p_adjusted": p_value}},
+                       # why the variant's speed and memory are not its format's (None: measured on its kernel)
+                       "no_native_kernel": {"type": ["string", "null"]},
                        "deployment": {"type": ["object", "null"]}, "recall": {"type": ["object", "null"]}},
     }
     other_variant = {"type": "object", "required": ["status", "reason"],
@@ -162,8 +177,13 @@ def summary_schema() -> dict:
         "properties": {
             "schema_version": {"const": SCHEMA_VERSION},
             "variants": {"type": "object", "additionalProperties": {"oneOf": [ok_variant, other_variant]}},
-            "recommendation": {"type": "object", "required": ["variant", "summary", "reasons"],
-                               "properties": {"variant": {"type": ["string", "null"]}}},
+            "recommendation": {"type": "object", "required": ["variant", "summary", "reasons", "pass_drop",
+                                                              "multiple_comparisons", "steps"],
+                               "properties": {"variant": {"type": ["string", "null"]},
+                                              "multiple_comparisons": {"enum": ["holm", "bonferroni", "none"]},
+                                              "pass_drop": {"type": "object", "additionalProperties": adjusted_test},
+                                              "steps": {"type": "array"}}},
+            "runtime_floor": {"type": "object", "additionalProperties": {"type": "object"}},
         },
     }
 

@@ -8,10 +8,12 @@ where it stopped instead of from the start of the stage."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import platform
+import re
 import shutil
 import time
 from pathlib import Path
@@ -38,14 +40,39 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+# the instruction-set features a build depends on: the Makefile keys its wheel and tool caches by the same list
+ISA_FEATURES = re.compile(r"sse4_2|avx|avx2|fma|f16c|bmi2|avx_vnni|avx512[a-z0-9_]*|amx[a-z0-9_]*")
+
+
+def cpu_features(cpuinfo: str) -> list[str]:
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return sorted(f for f in line.split(":", 1)[1].split() if ISA_FEATURES.fullmatch(f))
+    return []
+
+
+def cpu_key(features: list[str]) -> str:
+    """The Makefile's CPU_KEY: the first 8 hex digits of the SHA-1 of the sorted features, space-terminated."""
+    return hashlib.sha1("".join(f + " " for f in features).encode()).hexdigest()[:8]
+
+
 def hardware() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
+    """What tells two machines apart: CPU model and instruction set, cores, memory (the bandwidth probe's figure
+    sits beside this record in the summary)."""
+    cpu, cpuinfo, memory_gib = platform.processor() or platform.machine(), "", None
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(), "system": platform.system()}
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    for line in cpuinfo.splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory_gib = round(int(line.split()[1]) / 2**20, 1)
+    features = cpu_features(cpuinfo)
+    return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(), "system": platform.system(),
+            "cpu_features": features, "cpu_key": cpu_key(features) if features else None, "memory_gib": memory_gib}
 
 
 @contextlib.contextmanager

@@ -20,6 +20,18 @@ def status_mb(field: str, pid: int | str = "self") -> float | None:
     return None
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's resident high-water mark (VmHWM) to its resident size now, so that a later
+    ``peak_rss_mb`` is the peak of what ran in between (one speed trial), not of the process's whole life (its
+    model load included). Linux 4.0+: writing 5 to /proc/self/clear_refs. False where the kernel refuses it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def peak_rss_mb() -> float:
     """This process's resident high-water mark. VmHWM belongs to the current address space; ru_maxrss would
     carry the parent's peak across fork+exec on Linux and credit a small variant with the parent's model."""

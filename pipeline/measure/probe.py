@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.infra.child_processes import child_options
-from pipeline.measure.memory import device_memory, peak_rss_mb
+from pipeline.measure.memory import device_memory, peak_rss_mb, reset_peak_rss, status_mb
 
 log = logging.getLogger(__name__)
 
@@ -211,14 +211,21 @@ def _load(spec: dict):
     baseline = nvml_device_used_mb() if str(rcfg.device).startswith(("cuda", "auto")) else None
     t0 = time.perf_counter()
     rt = runtime_class(spec["runtime"])(Path(spec["artifact"]), spec["options"], rcfg, spec["trust_remote_code"])
+    # the memory of the load itself, apart from any trial's: its transient peak and what stays resident after it
+    rt.load_memory = {"load_peak_rss_mb": peak_rss_mb(), "steady_rss_mb": status_mb("VmRSS")}
     return rt, rcfg, baseline, time.perf_counter() - t0
 
 
 def _measure(rt, rcfg, spec: dict, baseline, load_s: float) -> dict:
-    """One trial on a loaded runtime: ``warmup`` untimed generations, then ``repeats`` cold ones (cache reset)."""
+    """One trial on a loaded runtime: ``warmup`` untimed generations, then ``repeats`` cold ones (cache reset). Its
+    peak RSS is this trial's (the high-water mark reset first); the load's peak and the resident size after the
+    load are reported beside it."""
     import numpy as np
 
     prompt = spec["prompt_ids"]
+    # this trial's own peak: the high-water mark restarts here, so every trial reads its own (a process kept for
+    # all rounds would otherwise report the same highest peak, its load's, in every trial)
+    per_trial = reset_peak_rss()
     for _ in range(spec["warmup"]):
         rt.reset()
         rt.generate(prompt, min(8, spec["decode_tokens"]), [])
@@ -243,6 +250,9 @@ def _measure(rt, rcfg, spec: dict, baseline, load_s: float) -> dict:
         "repeats": spec["repeats"],
         "load_s": load_s,
         "peak_rss_mb": peak_rss_mb(),
+        # what the peak covers: this trial alone, or (the kernel refused the reset) the process's life so far
+        "peak_rss_per_trial": per_trial,
+        **getattr(rt, "load_memory", {}),
         "device_peak_mb": (device or {}).get("peak_mb"),
         "device_memory": device,
         "kv_reported": kv,

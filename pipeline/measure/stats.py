@@ -15,17 +15,27 @@ LEVEL = 0.95
 
 
 def bootstrap_ratio(numerators, denominators, seed: int = 0, replicates: int = REPLICATES,
-                    level: float = LEVEL) -> dict | None:
+                    level: float = LEVEL, strata=None) -> dict | None:
     """CI of sum(num) / sum(den) when the (num, den) pairs (one per conversation) are resampled.
 
     ``numerators`` may be 2-D (k statistics per conversation sharing the denominators): returns arrays then.
+    ``strata`` (one label per conversation, e.g. its suite): each replicate draws within every stratum as many
+    conversations as it holds, so a replicate keeps the run's mix of suites (a pooled draw would let one suite's
+    conversations crowd out another's and widen or narrow the interval by chance).
     """
     num = np.asarray(numerators, dtype=np.float64)
     den = np.asarray(denominators, dtype=np.float64)
     if den.size == 0 or den.sum() <= 0:
         return None
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(den), size=(replicates, len(den)))
+    if strata is None:
+        idx = rng.integers(0, len(den), size=(replicates, len(den)))
+    else:
+        labels = np.asarray([str(x) for x in strata])
+        if labels.shape != (len(den),):
+            raise ValueError(f"bootstrap_ratio: {labels.size} strata labels for {len(den)} units")
+        groups = [np.flatnonzero(labels == g) for g in sorted(set(labels.tolist()))]
+        idx = np.concatenate([g[rng.integers(0, len(g), size=(replicates, len(g)))] for g in groups], axis=1)
     d = den[idx].sum(axis=1)
     ok = d > 0
     est = num.sum(axis=0) / den.sum()
@@ -34,49 +44,65 @@ def bootstrap_ratio(numerators, denominators, seed: int = 0, replicates: int = R
     lo, hi = np.percentile(reps, [100 * (1 - level) / 2, 100 * (1 + level) / 2], axis=0)
     return {"estimate": est.tolist() if num.ndim == 2 else float(est),
             "low": lo.tolist() if num.ndim == 2 else float(lo), "high": hi.tolist() if num.ndim == 2 else float(hi),
-            "level": level, "units": int(len(den)), "replicates": replicates}
+            "level": level, "units": int(len(den)), "replicates": replicates,
+            **({"strata": len(groups)} if strata is not None else {})}
 
 
 def interval(estimate, low, high, level: float = LEVEL, units: int = 0) -> dict:
     return {"estimate": estimate, "low": low, "high": high, "level": level, "units": units}
 
 
-def per_conversation_checks(samples: list[dict]) -> dict[tuple[str, str], list[int]]:
-    """Per (suite, conversation), in order of appearance: [variant passes, original passes, checks, flips]."""
+def per_conversation_checks(samples: list[dict], before: str = "checks_reference",
+                            after: str = "checks_variant") -> dict[tuple[str, str], list[int]]:
+    """Per (suite, conversation), in order of appearance: [``after`` passes, ``before`` passes, checks, flips]
+    (by default the variant's against the original's reference replies)."""
     out: dict = {}
     for s in samples:
         p = out.setdefault((s["suite"], s["conversation"]), [0, 0, 0, 0])
-        p[0] += sum(s["checks_variant"])
-        p[1] += sum(s["checks_reference"])
-        p[2] += len(s["checks_variant"])
-        p[3] += sum(1 for a, b in zip(s["checks_reference"], s["checks_variant"]) if a != b)
+        p[0] += sum(s[after])
+        p[1] += sum(s[before])
+        p[2] += len(s[after])
+        p[3] += sum(1 for a, b in zip(s[before], s[after]) if a != b)
     return out
 
 
 def conversation_intervals(tf: dict, samples: list[dict], seed: int = 0) -> dict:
     """95 % bootstrap CIs for mean KLD, top-1 agreement, ΔNLL (per token, conversations resampled), pass rate and
-    the paired pass-rate difference against the original (per check, conversations resampled)."""
-    rows = []
+    the paired pass-rate difference against the original (per check, conversations resampled), each stratified by
+    suite (a replicate draws every suite's own number of conversations from that suite)."""
+    rows, row_suites = [], []
     for suite, convs in tf.items():
         for cid, c in convs.items():
             k = np.asarray(c["kld"], dtype=np.float64)
             if k.size:
                 rows.append((np.sum(k), np.sum(c["top1"]),
                              float(np.sum(np.asarray(c["nll_variant"]) - np.asarray(c["nll_reference"]))), k.size))
+                row_suites.append(suite)
     out: dict = {}
     if rows:
         arr = np.asarray(rows)
-        ci = bootstrap_ratio(arr[:, :3], arr[:, 3], seed)
+        ci = bootstrap_ratio(arr[:, :3], arr[:, 3], seed, strata=row_suites)
         for i, name in enumerate(("kld_mean", "top1_agreement", "delta_nll")):
             out[name] = interval(ci["estimate"][i], ci["low"][i], ci["high"][i], ci["level"], ci["units"])
-    checks = np.asarray([v for v in per_conversation_checks(samples).values() if v[2] > 0], dtype=np.float64)
+    out.update(checks_intervals(samples, seed))
+    return out
+
+
+def checks_intervals(samples: list[dict], seed: int = 0, before: str = "checks_reference",
+                     after: str = "checks_variant") -> dict:
+    """95 % bootstrap CIs (conversations resampled within their suite) of ``after``'s pass rate, its paired
+    difference from ``before``'s, the flip rate between them and the ratio of their passes (absent when ``before``
+    passes none)."""
+    out: dict = {}
+    per = {k: v for k, v in per_conversation_checks(samples, before, after).items() if v[2] > 0}
+    checks = np.asarray(list(per.values()), dtype=np.float64)
+    suites = [suite for suite, _ in per]
     if len(checks):
         ci = bootstrap_ratio(np.stack([checks[:, 0], checks[:, 0] - checks[:, 1], checks[:, 3]], axis=1),
-                             checks[:, 2], seed)
+                             checks[:, 2], seed, strata=suites)
         for i, name in enumerate(("pass_rate", "pass_rate_delta", "flip_rate")):
             out[name] = interval(ci["estimate"][i], ci["low"][i], ci["high"][i], ci["level"], ci["units"])
-        # the variant's passes over the original's, conversations resampled (absent when the original passes none)
-        ratio = bootstrap_ratio(checks[:, 0], checks[:, 1], seed)
+        ratio = bootstrap_ratio(checks[:, 0], checks[:, 1], seed, strata=suites)
         if ratio is not None:
             out["pass_rate_ratio"] = interval(ratio["estimate"], ratio["low"], ratio["high"], ratio["level"],
                                               ratio["units"])
@@ -93,8 +119,8 @@ Z_975, Z_80 = 1.959964, 0.841621     # two-sided 5 % and 80 % power (normal appr
 def sign_flip_p(diffs, seed: int = 0, exact_max: int = 16, samples: int = 20000) -> float | None:
     """Two-sided p-value of a paired sign-flip permutation test on the mean of ``diffs`` (one per unit: a
     conversation, a trial round). Under the null each difference is as likely negated: every one of the 2^n sign
-    patterns when n <= exact_max, else ``samples`` random ones (fixed seed). Zeros carry no sign and count as
-    such. None without a unit."""
+    patterns when n <= exact_max, else ``samples`` random ones (fixed seed) with the observed pattern counted among
+    them. Zeros carry no sign and count as such. None without a unit."""
     d = np.asarray([x for x in diffs if x is not None], dtype=np.float64)
     n = d.size
     if n == 0:
@@ -102,12 +128,15 @@ def sign_flip_p(diffs, seed: int = 0, exact_max: int = 16, samples: int = 20000)
     observed = abs(d.mean())
     if observed == 0:
         return 1.0
+    tol = 1e-12 * max(observed, 1.0)
     if n <= exact_max:
         signs = 1 - 2 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)
-    else:
-        signs = np.random.default_rng(seed).choice((-1, 1), size=(samples, n))
-    means = np.abs((signs * d).mean(axis=1))
-    return float(np.mean(means >= observed - 1e-12 * max(observed, 1.0)))
+        return float(np.mean(np.abs((signs * d).mean(axis=1)) >= observed - tol))
+    # Monte-Carlo: the observed sign pattern counts as one of the draws (+1 above and below), so the estimate is a
+    # valid p-value and never 0 (Phipson & Smyth 2010)
+    signs = np.random.default_rng(seed).choice((-1, 1), size=(samples, n))
+    hits = int(np.sum(np.abs((signs * d).mean(axis=1)) >= observed - tol))
+    return (hits + 1) / (samples + 1)
 
 
 def median_interval(values, level: float = LEVEL) -> dict | None:
@@ -143,11 +172,12 @@ def paired_ratio(a, b, seed: int = 0) -> dict | None:
             "p": sign_flip_p(np.log(ratios), seed)}
 
 
-def conversation_test(samples: list[dict], seed: int = 0) -> dict | None:
+def conversation_test(samples: list[dict], seed: int = 0, before: str = "checks_reference",
+                      after: str = "checks_variant") -> dict | None:
     """Conversation-level paired test of the variant's checks against the original's: per conversation the
     difference of pass rates (variant - original), a sign-flip permutation test on their mean. Unlike the
     check-level McNemar it does not assume the checks of one conversation are independent."""
-    diffs = [(v - r) / n for v, r, n, _ in per_conversation_checks(samples).values() if n]
+    diffs = [(v - r) / n for v, r, n, _ in per_conversation_checks(samples, before, after).values() if n]
     if not diffs:
         return None
     return {"conversations": len(diffs), "mean_difference": float(np.mean(diffs)),
@@ -189,4 +219,33 @@ def minimum_detectable(samples: list[dict], tf: dict) -> dict:
                 np.exp(z * s * np.sqrt(2 / len(means))))
         elif suite in out:
             out[suite]["mde_kld_ratio"] = None
+    return out
+
+
+# ------------------------------------------------------------------ family-wise error
+
+MULTIPLE_COMPARISONS = ("holm", "bonferroni", "none")
+
+
+def adjust_p(pvalues: dict[str, float | None], method: str = "holm") -> dict[str, float | None]:
+    """Family-wise adjusted p-values of one family of tests (one per variant: "is it worse than the original?"),
+    so that "significant at alpha" holds for the family, not for each test alone. holm: Holm's step-down (the i-th
+    smallest of m p-values times m - i + 1, made monotone, capped at 1; uniformly more powerful than Bonferroni and
+    valid under any dependence); bonferroni: each times m; none: unadjusted. A None p-value (no test) stays None
+    and is not counted in the family."""
+    if method not in MULTIPLE_COMPARISONS:
+        raise ValueError(f"unknown multiple-comparison method {method!r}: expected one of {MULTIPLE_COMPARISONS}")
+    tested = sorted(((p, name) for name, p in pvalues.items() if p is not None), key=lambda t: (t[0], t[1]))
+    out: dict[str, float | None] = {name: None for name in pvalues}
+    m = len(tested)
+    running = 0.0
+    for i, (p, name) in enumerate(tested):
+        if method == "none":
+            adj = p
+        elif method == "bonferroni":
+            adj = p * m
+        else:
+            running = max(running, (m - i) * p)
+            adj = running
+        out[name] = min(1.0, adj)
     return out

@@ -53,3 +53,42 @@ def metric_cell(variant: dict, m: Metric) -> str:
     if m.integer and isinstance(x, float) and x.is_integer():
         x = int(x)
     return _fmt(x if x is None or m.display_scale == 1 else x * m.display_scale, m.fmt)
+
+
+# Marks on a variant's name wherever figures of something other than its own kernel appear
+STANDIN_MARK = "†"      # free-running replies from the dequantized F16-GGUF stand-in
+NO_KERNEL_MARK = "‡"    # no native kernel on this device: speed and memory not the format's
+
+
+def standin_used(v: dict) -> bool:
+    return bool(((v.get("paths") or {}).get("dequantized_check") or {}).get("used"))
+
+
+def variant_label(name: str, v: dict, speed: bool = False) -> str:
+    """The variant's name with the marks of what its figures in this table come from: † (checks and flips of
+    free-running replies from the stand-in), ‡ (speed and memory: no native kernel here; ``speed`` tables)."""
+    marks = (STANDIN_MARK if standin_used(v) and not speed else "") + \
+        (NO_KERNEL_MARK if speed and v.get("no_native_kernel") else "")
+    return name + (f" {marks}" if marks else "")
+
+
+def mark_notes(summary: dict, speed: bool = False) -> list[str]:
+    """The footnotes of the marks a table uses (nothing when no variant carries one)."""
+    ok = {n: v for n, v in summary["variants"].items() if v.get("status") == "ok"}
+    notes = []
+    if not speed:
+        for n, v in ok.items():
+            if standin_used(v):
+                c = v["paths"]["dequantized_check"]
+                notes.append(f"{STANDIN_MARK} `{n}`: its free-running replies (pass rate, flips, chrF) come from the "
+                             f"stand-in, its exact dequantized weights as an F16 GGUF on llama.cpp, which matched "
+                             f"the loaded model on a teacher-forced sample of {c.get('tokens')} tokens (top-1 "
+                             f"agreement {c.get('top1_agreement', 0):.1%}, KLD gap {c.get('kld_gap', 0):.1%}); its "
+                             "drift (KLD) is its own.")
+    else:
+        for n, v in ok.items():
+            if v.get("no_native_kernel"):
+                notes.append(f"{NO_KERNEL_MARK} `{n}`: {v['no_native_kernel']}. Its speed and memory here are a dense "
+                             "model's, not the format's: not shown, not ranked, not planned with; its drift is its "
+                             "own.")
+    return notes

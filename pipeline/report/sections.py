@@ -9,9 +9,11 @@ The tables of figures are ``pipeline.report.tables``; the cell formatting ``pipe
 from __future__ import annotations
 
 from pipeline.config.summary_contract import BY_NAME
-from pipeline.report.cells import _ci, _fmt, _md_escape, decoding_line
-from pipeline.report.tables import (_capacity_section, _decision_section, _drift_sections, _llama_stats_section,
-                                    _power_section, _recall_section, main_table, speed_table, suite_flip_table)
+from pipeline.report.cells import _ci, _fmt, _md_escape, decoding_line, mark_notes
+from pipeline.report.decision_section import decision_section
+from pipeline.report.tables import (_capacity_section, _drift_sections, _llama_stats_section,
+                                    _power_section, _recall_section, main_table, same_runtime_table, speed_table,
+                                    suite_flip_table)
 
 
 def _run_time_section(summary: dict):
@@ -52,10 +54,12 @@ def _speed_noise_block(summary: dict) -> list:
            f"{proto.get('decode_tokens')} tokens after a {proto.get('prompt_tokens')}-token prompt. Figures: the "
            "median over trials [95 % interval from order statistics]; prefill (TTFT, compute-bound) and decode "
            "(memory-bound) separately. Two variants tie on speed unless a paired sign-flip permutation test over "
-           "the rounds finds a difference at p < `decision.alpha` (and larger than `decision.tie_tolerance`)."]
+           "the rounds finds a difference at a family-wise adjusted p < `decision.alpha` and the difference exceeds "
+           "the run's A/A floor (and `decision.tie_tolerance`); a figure whose A/A pair is not tied ranks nothing."]
     if noise and noise.get("figures"):
         f = noise["figures"]
-        cells = [f"{BY_NAME[k].label} ×{x['ratio']:.3f} [{x['low']:.3f}, {x['high']:.3f}], p={x['p']:.2f}"
+        cells = [f"{BY_NAME[k].label if k in BY_NAME else k} ×{x['ratio']:.3f} [{x['low']:.3f}, {x['high']:.3f}], "
+                 f"p={x['p']:.2f}"
                  f" ({'tied' if x['tied'] else 'NOT tied: this run is too noisy to compare speeds'})"
                  for k, x in f.items()]
         floor = f.get("decode_tokens_per_s", {}).get("floor")
@@ -319,7 +323,7 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
     plots = plots or {}
     ok = {n: v for n, v in summary["variants"].items() if v["status"] == "ok"}
     bw = summary.get("bandwidth") or {}
-    variants_blocks: list = [main_table(summary), (
+    variants_blocks: list = [main_table(summary), *mark_notes(summary), (
         "KLD: mean token-level KL divergence (nats) of the variant's next-token distribution from the original's, "
         "teacher-forced on the original's own transcripts (top-K + tail bucket, exact where the tail is large). Pass/flips: machine checks on the "
         "variant's free-running replies; a flip is a check whose outcome differs from the original's (pass→fail / "
@@ -328,8 +332,9 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
         "conversations, 2,000 replicates, fixed seed); with this few conversations the intervals are wide, so read "
         "overlapping intervals as no measured difference. Degenerate: replies whose repeated 4-gram rate or "
         "looping tail crosses `decision.degeneration`."),
-        speed_table(summary),
-        ("Peak RSS: the trial process. Roofline: bytes read per decoded token = all weights + the KV cache at the "
+        speed_table(summary), *mark_notes(summary, speed=True),
+        ("Peak RSS: each trial's own peak (the probe's high-water mark reset at the trial's start); load peak: the "
+         "peak while the variant loaded; RSS after load: what stays resident once loaded. Roofline: bytes read per decoded token = all weights + the KV cache at the "
          "probe's mean context; BW share = decode tok/s × bytes/token ÷ measured bandwidth"
          + (f" ({bw['bytes_per_s'] / 1e9:.1f} GB/s: {bw['method']}"
             + (f"; other processes used {bw['cpu_noise']:.0%} of the CPU meanwhile"
@@ -339,7 +344,15 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
     flips = suite_flip_table(summary)
     if flips:
         variants_blocks += ["Flips by suite against the original:", flips]
-    sections = [_decision_section(summary), ("variants", "Variants", variants_blocks)]
+    same = same_runtime_table(summary)
+    if same:
+        variants_blocks += [
+            "Flips against the original on the same runtime: a variant whose replies were generated on another "
+            "runtime than the reference's is checked against the original's own replies on that runtime (its own "
+            "change); the first row is the runtime switch's floor, the original there against the reference (what "
+            "changing runtime alone flips). The decision judges these variants' flips and checks on this table.",
+            same]
+    sections = [decision_section(summary), ("variants", "Variants", variants_blocks)]
     sections += [s for s in (_power_section(ok), _recall_section(ok), _capacity_section(summary, ok)) if s]
     sections += _drift_sections(ok)
     sections += [s for s in (_load_section(summary), _llama_stats_section(ok), _bits_section(summary, ok),
@@ -360,7 +373,9 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
                          [[f"`{n}`: **{v['status']}** — {v.get('reason')}" for n, v in skipped.items()]]))
     hw, ver = summary["hardware"], summary["versions"]
     sections.append(("environment", "Environment", [
-        f"{hw['cpu']}, {hw['cores']} cores; threads {summary['run']['threads']}, device {summary['run']['device']}. "
+        f"{hw['cpu']}, {hw['cores']} cores"
+        + (f", {hw['memory_gib']} GiB, instruction set {hw['cpu_key']}" if hw.get("cpu_key") else "")
+        + f"; threads {summary['run']['threads']}, device {summary['run']['device']}. "
         + ", ".join(f"{k} {v}" for k, v in ver.items()) + ".",
         decoding_line(summary),
         "Samples: `samples.jsonl` beside this file (one line per variant × conversation turn)."]))

@@ -34,6 +34,7 @@ def build_summary(cfg: Config) -> dict:
     from pipeline.stages.speed import WORKERS_FRESH, measure_speed, noise_floor
 
     speed_run = measure_speed(cfg, results)
+    speed_noise = noise_floor(speed_run, cfg.decision.alpha)
     trials = (speed_run or {}).get("trials") or {}
     variants = {name: variant_summary(r, bandwidth, cfg.decision.degeneration, cfg.seed, trials.get(name))
                 for name, r in results.items()}
@@ -41,8 +42,9 @@ def build_summary(cfg: Config) -> dict:
     first = ok[0] if ok else {}
     facts = (first.get("model") or {}).get("facts", {})
     for v in variants.values():
-        if v["status"] == "ok":
+        if v["status"] == "ok" and not v.get("no_native_kernel"):
             v["capacity"] = capacity_plan(v, facts, cfg.capacity)
+    adjust_flip_tests(variants, cfg.decision.multiple_comparisons)
     load_sweep_ = load_load(cfg)
     attach_load(variants, load_sweep_)
     origin = facts.get("origin", "")
@@ -57,8 +59,12 @@ def build_summary(cfg: Config) -> dict:
         "reference": {"runtime": (first.get("reference") or {}).get("producer"),
                       "top_k": cfg.reference.top_k, "parity": first.get("parity")},
         "variants": variants,
-        "recommendation": decide(variants, cfg.decision),
-        "speed_noise": noise_floor(speed_run, cfg.decision.alpha),
+        "recommendation": decide(variants, cfg.decision, speed_noise),
+        "speed_noise": speed_noise,
+        # per runtime that generated some variant's replies other than the reference's: the original's own replies
+        # there against the reference (what the runtime switch alone flips)
+        "runtime_floor": {sr["runtime"]: sr["runtime_switch_floor"] for v in variants.values()
+                          if (sr := (v.get("free_running") or {}).get("same_runtime"))},
         "imatrix_effects": imatrix_effects(variants, cfg.seed),
         "calibration_sweep": load_sweep(cfg),     # `quantdrift calibration` of this run, when it has run
         "load": load_sweep_,                      # `quantdrift load` of this run, when it has run
@@ -83,3 +89,22 @@ def build_summary(cfg: Config) -> dict:
     }
     validate_summary(summary)
     return summary
+
+
+def adjust_flip_tests(variants: dict, method: str) -> None:
+    """Each variant's exact McNemar p-value of its flips against the original, adjusted across the run's variants
+    (the original itself, the reference, is not tested), beside the raw one: ``free_running.mcnemar_p_adjusted``;
+    the same for its flips against the original on its own runtime, where it has them."""
+    from pipeline.measure.stats import adjust_p
+
+    for v in variants.values():
+        if v.get("status") == "ok" and "free_running" in v:
+            v["free_running"]["mcnemar_p_adjusted"] = None        # the original: the reference, never tested
+    ok = {n: v for n, v in variants.items() if v.get("status") == "ok" and n != "original" and "free_running" in v}
+    raw = {n: v["free_running"].get("mcnemar_p") for n, v in ok.items()}
+    for n, p in adjust_p(raw, method).items():
+        ok[n]["free_running"]["mcnemar_p_adjusted"] = p
+    same = {n: sr["vs_original_same_runtime"].get("mcnemar_p") for n, v in ok.items()
+            if (sr := v["free_running"].get("same_runtime"))}
+    for n, p in adjust_p(same, method).items():
+        ok[n]["free_running"]["same_runtime"]["vs_original_same_runtime"]["mcnemar_p_adjusted"] = p

@@ -5,38 +5,72 @@ power."""
 from __future__ import annotations
 
 from pipeline.config.summary_contract import BY_NAME
-from pipeline.report.cells import _ci, _fmt, _md_escape, metric_cell, metric_head
+from pipeline.report.cells import (NO_KERNEL_MARK, _ci, _fmt, _md_escape, metric_cell, metric_head,
+                                   variant_label)
 
 
 # The accuracy table's catalogue columns, in order (the others are free-running counts, not catalogue metrics).
-_MAIN_METRICS = ("kld_mean", "kld_p99", "top1_agreement", "delta_nll", "pass_rate")
+_MAIN_METRICS = ("kld_mean", "kld_p99", "top1_agreement", "delta_nll", "pass_rate", "flip_rate")
 _SPEED_METRICS = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s")
-_MEMORY_METRICS = ("artifact_bytes", "peak_rss_mb")
+_MEMORY_METRICS = ("artifact_bytes", "peak_rss_mb", "load_peak_rss_mb", "steady_rss_mb")
+
+
+def _p_pair(raw: float | None, adjusted: float | None) -> str:
+    """A p-value beside its family-wise adjusted value."""
+    return _fmt(raw, ".3f") + (f" ({adjusted:.3f})" if adjusted is not None else "")
 
 
 def main_table(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Accuracy and drift, every difference with its 95 % interval; labels and formats from the catalogue."""
     ms = [BY_NAME[n] for n in _MAIN_METRICS]
     pass_rate = BY_NAME["pass_rate"]
+    method = (summary.get("recommendation") or {}).get("multiple_comparisons") or "holm"
     head = (["variant", "status"] + [metric_head(m, bool(m.interval)) for m in ms]
-            + [f"Δ{pass_rate.label} vs original [CI]", "flips p→f / f→p", "McNemar p", "chrF", "degenerate"])
+            + [f"Δ{pass_rate.label} vs original [CI]", "flips p→f / f→p", f"McNemar p ({method})", "chrF",
+               "degenerate"])
     rows = []
     for name, v in summary["variants"].items():
         if v["status"] != "ok":
             rows.append([name, v["status"]] + [""] * (len(head) - 2))
             continue
         fr, iv = v["free_running"], v.get("intervals") or {}
-        rows.append([name, "ok"] + [metric_cell(v, m) for m in ms] + [
+        rows.append([variant_label(name, v), "ok"] + [metric_cell(v, m) for m in ms] + [
             _ci(iv.get("pass_rate_delta"), "+" + pass_rate.fmt.lstrip("+")),
             f"{fr['pass_to_fail']} / {fr['fail_to_pass']} of {fr['checks']}",
-            _fmt(fr["mcnemar_p"], ".2f"), _fmt(fr["chrf_mean"], ".1f"),
+            _p_pair(fr["mcnemar_p"], fr.get("mcnemar_p_adjusted")), _fmt(fr["chrf_mean"], ".1f"),
             f"{fr.get('degenerate_replies', 0)}/{fr['replies']}",
         ])
     return head, rows
 
 
+def same_runtime_table(summary: dict) -> tuple | None:
+    """The variants whose replies came from another runtime than the reference's: their checks against the original's
+    own replies on that runtime, beside the runtime switch's own floor (the original there against the reference)."""
+    rows = []
+    method = (summary.get("recommendation") or {}).get("multiple_comparisons") or "holm"
+    for runtime, f in (summary.get("runtime_floor") or {}).items():
+        t = f.get("conversation_test") or {}
+        rows.append([f"the original on {runtime} (runtime switch floor)", "reference",
+                     _fmt(f["pass_rate"], ".0%"), "–", f"{f['pass_to_fail']} / {f['fail_to_pass']} of {f['checks']}",
+                     _fmt(f["mcnemar_p"], ".3f"), _fmt(t.get("p"), ".3f")])
+    for name, v in summary["variants"].items():
+        sr = (v.get("free_running") or {}).get("same_runtime") if v.get("status") == "ok" else None
+        if not sr:
+            continue
+        own, iv = sr["vs_original_same_runtime"], v.get("intervals_same_runtime") or {}
+        t = own.get("conversation_test") or {}
+        rows.append([variant_label(name, v), f"the original on {sr['runtime']}", _fmt(own["pass_rate"], ".0%"),
+                     _ci(iv.get("flip_rate"), ".1%"), f"{own['pass_to_fail']} / {own['fail_to_pass']} of {own['checks']}",
+                     _p_pair(own["mcnemar_p"], own.get("mcnemar_p_adjusted")), _fmt(t.get("p"), ".3f")])
+    if not rows:
+        return None
+    return (["replies of", "checked against", "pass rate", "flip rate [CI]", "flips p→f / f→p",
+             f"McNemar p ({method})", "conversation-level p"], rows)
+
+
 def speed_table(summary: dict) -> tuple[list[str], list[list[str]]]:
-    """Speed, roofline and memory; catalogue metrics with the catalogue's labels and formats."""
+    """Speed, roofline and memory; catalogue metrics with the catalogue's labels and formats. A variant measured on
+    no native kernel of this device shows none of them (its figures are another model's)."""
     speed = [BY_NAME[n] for n in _SPEED_METRICS]
     memory = [BY_NAME[n] for n in _MEMORY_METRICS]
     kv = BY_NAME["kv_bytes_per_token"]
@@ -52,7 +86,14 @@ def speed_table(summary: dict) -> tuple[list[str], list[list[str]]]:
             continue
         s, m, rf = v["speed"], v["memory"], v.get("roofline") or {}
         noisy = f" ({s['noisy_trials']} noisy trials)" if s.get("noisy_trials") else ""
-        rows.append([name + noisy] + [metric_cell(v, x) for x in speed] + [
+        label = variant_label(name, v, speed=True) + noisy
+        if v.get("no_native_kernel"):
+            hidden = f"– {NO_KERNEL_MARK}"
+            rows.append([label] + [hidden] * (len(speed) + 3) + [metric_cell(v, memory[0])]
+                        + [hidden] * (len(memory) - 1) + [str(m.get("kv_cache") or ""), metric_cell(v, kv)]
+                        + ([hidden] if on_gpu else []))
+            continue
+        rows.append([label] + [metric_cell(v, x) for x in speed] + [
             _fmt(rf.get("bytes_per_token") and rf["bytes_per_token"] / 2**20, ".1f"), _fmt(rf.get("share"), ".0%"),
             _fmt(rf.get("ceiling_tokens_per_s"), ".0f")] + [metric_cell(v, x) for x in memory] + [
             str(m.get("kv_cache") or ""),
@@ -67,9 +108,9 @@ def suite_flip_table(summary: dict) -> tuple[list[str], list[list[str]]] | None:
         if v["status"] != "ok" or name == "original":
             continue
         for suite, f in (v["free_running"].get("by_suite") or {}).items():
-            rows.append([name, suite, str(f["checks"]), _fmt(f["reference_pass_rate"], ".0%"), _fmt(f["pass_rate"], ".0%"),
-                         str(f["pass_to_fail"]), str(f["fail_to_pass"]), _fmt(f["mcnemar_p"], ".3f"),
-                         _fmt((f.get("conversation_test") or {}).get("p"), ".3f")])
+            rows.append([variant_label(name, v), suite, str(f["checks"]), _fmt(f["reference_pass_rate"], ".0%"),
+                         _fmt(f["pass_rate"], ".0%"), str(f["pass_to_fail"]), str(f["fail_to_pass"]),
+                         _fmt(f["mcnemar_p"], ".3f"), _fmt((f.get("conversation_test") or {}).get("p"), ".3f")])
     if not rows:
         return None
     return ["variant", "suite", "checks", "original pass", "variant pass", "pass→fail", "fail→pass",
@@ -77,27 +118,6 @@ def suite_flip_table(summary: dict) -> tuple[list[str], list[list[str]]] | None:
 
 
 # ------------------------------------------------------------------------------------------ sections
-
-def _decision_section(summary: dict) -> tuple:
-    rec = summary["recommendation"]
-    confidence = rec.get("confidence", "point")
-    if rec["variant"]:
-        lead = (f"**Ship `{rec['variant']}`** (decision `{rec['decision']}`, objective `{rec['objective']}`, limits "
-                f"judged on {'95 % upper/lower bounds' if confidence == 'upper' else 'point estimates'}): "
-                f"{rec['summary']}.")
-    else:
-        lead = f"**No recommendation**: {rec['summary']}."
-    blocks: list = [lead]
-    if rec.get("undecided"):
-        blocks.append("**Undecided** (a limit lies inside the 95 % interval, so this run cannot say whether the "
-                      "variant meets it; more conversations narrow the interval): "
-                      + ", ".join(f"`{n}`" for n in rec["undecided"]) + ".")
-    others = [f"`{n}`: {r}" for n, r in rec["reasons"].items() if n != rec["variant"]]
-    front = ", ".join(f"`{n}`" for n in rec.get("pareto_front") or [])
-    blocks += ["Why the others lost:", others,
-               f"Pareto front over (mean KLD, decode tokens/s, peak RSS): {front}."]
-    return ("decision", "Recommendation", blocks)
-
 
 def _recall_section(ok: dict) -> tuple | None:
     with_recall = {n: v["recall"] for n, v in ok.items() if v.get("recall")}

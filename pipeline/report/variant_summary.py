@@ -12,7 +12,8 @@ from pipeline.config.summary_contract import SCHEMA_VERSION, section_values
 from pipeline.infra.gguf_file import fallback_tensors
 from pipeline.runtimes import runtime_class
 from pipeline.stages.speed import trial_figures
-from pipeline.measure.stats import conversation_intervals, conversation_test, minimum_detectable
+from pipeline.measure.stats import (checks_intervals, conversation_intervals, conversation_test,
+                                    minimum_detectable)
 from pipeline.infra.files import read_json, read_jsonl
 from pipeline.measure.capacity import kv_bytes_per_token_formula, kv_reported_per_token, roofline
 
@@ -131,7 +132,28 @@ def free_running_figures(samples: list[dict], degeneration: dict | None = None, 
         "by_suite": flips_by_suite(samples, seed),
         "degenerate_replies": sum(1 for s in samples if degenerate(s, degeneration or {})),
         "degeneration_limits": degeneration or {},
+        "same_runtime": same_runtime_figures(samples, seed),
     }
+
+
+def same_runtime_figures(samples: list[dict], seed: int = 0) -> dict | None:
+    """Where the variant's replies were generated on another runtime than the reference's: its checks against the
+    original's own replies on that runtime (flips, exact McNemar, the conversation-level test: the variant's own
+    change), and that baseline against the reference (the runtime switch's floor: what changing runtime alone
+    flips). None where the samples carry no baseline."""
+    if not samples or "checks_baseline" not in samples[0]:
+        return None
+    base, var, ref = ([c for s in samples for c in s[k]] for k in ("checks_baseline", "checks_variant",
+                                                                 "checks_reference"))
+    own = paired_checks(base, var)
+    floor = paired_checks(ref, base)
+    return {"runtime": samples[0].get("baseline_runtime"),
+            "vs_original_same_runtime": {**own, "flips": own["pass_to_fail"] + own["fail_to_pass"],
+                                         "conversation_test": conversation_test(samples, seed, "checks_baseline",
+                                                                                "checks_variant")},
+            "runtime_switch_floor": {**floor, "flips": floor["pass_to_fail"] + floor["fail_to_pass"],
+                                     "conversation_test": conversation_test(samples, seed, "checks_reference",
+                                                                            "checks_baseline")}}
 
 
 def recall_figures(tf: dict, samples: list[dict]) -> dict | None:
@@ -230,6 +252,8 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
     memory = {
         "artifact_bytes": result["artifact"]["bytes"],
         "peak_rss_mb": speed.get("peak_rss_mb"),
+        "load_peak_rss_mb": speed.get("load_peak_rss_mb"),
+        "steady_rss_mb": speed.get("steady_rss_mb"),
         "kv_bytes_per_token": formula,
         "kv_bytes_per_token_reported": reported,
     }
@@ -240,9 +264,17 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         "description": result.get("description"),
         "runtime": result["runtime"],
         "kernel": info.get("kernel"),
+        # where the format's own kernel did not run (weights made dense at load), its speed and memory are another
+        # model's: reported with this reason, never ranked, never planned with
+        "no_native_kernel": (None if info.get("native_kernel", True) else
+                             f"no native kernel on this device: {info.get('kernel')}"),
         "runtime_info": info,
         "drift": section_values("drift", sources),
         "intervals": {**intervals, **timing["intervals"]},
+        # the checks' intervals against the original on the variant's own runtime, where its replies came from
+        # another runtime than the reference's (what the decision judges flips and pass rates on)
+        "intervals_same_runtime": (checks_intervals(samples, seed, "checks_baseline", "checks_variant")
+                                   if samples and "checks_baseline" in samples[0] else None),
         "speed_trials": {"rounds": len(trials or []), "values": timing["values"],
                          "failed": timing["failed_trials"]},
         "drift_detail": {**{k: drift[k] for k in ("kld_by_position", "kld_by_turn", "kld_by_suite",
@@ -286,7 +318,7 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
             "dequantized_check": result["evaluation"].get("dequantized_check"),
         },
     }
-    out["roofline"] = roofline(out, bandwidth)
+    out["roofline"] = roofline(out, bandwidth) if not out["no_native_kernel"] else None
     return out
 
 

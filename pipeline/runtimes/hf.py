@@ -132,6 +132,9 @@ class HFRuntime(FullLogitsRuntime):
             "dtype": str(self.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(),
             "kernel": self._kernel_name(),
+            # False where the format's own kernel does not run here and the weights were made dense at load: the
+            # drift is the format's (the same quantized values), its speed and memory are not
+            "native_kernel": not getattr(self, "_dequantized_at_load", None),
             "kv_cache_dtype": f"int{self.kv['bits']}" if self.kv else str(self.dtype).replace("torch.", ""),
         }
         if self.kv:

@@ -57,14 +57,18 @@ def compare_free_running(conv: Conversation, ref_tr: dict, var_tr: dict) -> list
 
 
 def check_variant(cfg: Config, suites: dict[str, list[Conversation]], refs: dict, free: dict,
-                  deployment: dict | None = None) -> dict:
+                  deployment: dict | None = None, baseline: dict | None = None) -> dict:
     """``free``: the evaluate stage's result (its manifest, and ``transcripts`` per suite and conversation id);
-    ``deployment``: the deployment stage's result or None. Returns the stage's manifest with its folder (``dir``)."""
+    ``deployment``: the deployment stage's result or None; ``baseline``: the original's own free-running on the
+    runtime that generated the variant's replies, where that is not the reference's (an evaluate stage's result, or
+    None): each sample then also carries the baseline's outcomes (``checks_baseline``), so the variant's flips can
+    be read against the original on the same runtime. Returns the stage's manifest with its folder (``dir``)."""
     variant = cfg.variant
     out_dir = cfg.model_dir / "runs" / cfg.run.name / f"{variant.name}.checks"
     key = {"free_running": free["key_hash"], "references": {s: r.hash for s, r in refs.items()},
            "checks": {s: checks_fingerprint(convs) for s, convs in suites.items()},
-           "deployment": (deployment or {}).get("key_hash"), "code": checks_code()}
+           "deployment": (deployment or {}).get("key_hash"), "baseline": (baseline or {}).get("key_hash"),
+           "code": checks_code()}
 
     def build(tmp: Path) -> dict:
         samples = []
@@ -73,7 +77,12 @@ def check_variant(cfg: Config, suites: dict[str, list[Conversation]], refs: dict
             for tr in ref.transcripts:
                 conv = convs[tr["id"]]
                 extra = {"meta": conv.meta} if conv.meta else {}
-                for row in compare_free_running(conv, tr, free["transcripts"][s][tr["id"]]):
+                rows = compare_free_running(conv, tr, free["transcripts"][s][tr["id"]])
+                if baseline:
+                    for row, outcomes in zip(rows, turn_outcomes(conv, baseline["transcripts"][s][tr["id"]])):
+                        row["checks_baseline"] = outcomes
+                        row["baseline_runtime"] = baseline["generated_on"]
+                for row in rows:
                     samples.append({"variant": variant.name, "suite": s, "conversation": tr["id"], **row, **extra})
         write_jsonl(tmp / "samples.jsonl", samples)
         served = []

@@ -43,15 +43,18 @@ def _generation_options(options: dict) -> dict:
 
 
 def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, artifact: Artifact,
-                     suites: dict[str, list[Conversation]], refs: dict[str, SuiteReference], producer: dict) -> dict:
+                     suites: dict[str, list[Conversation]], refs: dict[str, SuiteReference], producer: dict,
+                     folder: str | None = None, reuse: bool | None = None) -> dict:
     """cfg.variant free-running through every conversation of every suite, as a stage of its own, resumable per
     conversation. A variant that runs exactly as the reference's producer did reuses the reference transcripts
     (``reuses_reference``). Returns the stage's manifest, its folder (``dir``) and the transcripts per suite and
     conversation id. Its key holds what the replies depend on (the weights, the runtime and its code, the
-    conversations as generated, the conversation-driving code), never how the replies are checked or scored."""
+    conversations as generated, the conversation-driving code), never how the replies are checked or scored.
+    ``folder``: the stage's folder name in the run (default: the variant's name); ``reuse``: whether to reuse the
+    reference transcripts (default: ``reuses_reference``; False makes the original generate on its own runtime)."""
     variant = cfg.variant
-    out_dir = cfg.model_dir / "runs" / cfg.run.name / variant.name
-    reuse_reference = reuses_reference(cfg, artifact, producer)
+    out_dir = cfg.model_dir / "runs" / cfg.run.name / (folder or variant.name)
+    reuse_reference = reuses_reference(cfg, artifact, producer) if reuse is None else reuse
     standin = (variant.runtime_options.get("free_running") == "dequantized"
                and artifact.info.get("format") in DEQUANTIZABLE and "kv_cache" not in variant.runtime_options)
     key = {
@@ -113,4 +116,7 @@ def evaluate_variant(cfg: Config, original: Original, renderer: ChatRenderer, ar
         free = {}
         for tr in read_jsonl(out_dir / "transcripts.jsonl"):
             free.setdefault(tr["suite"], {})[tr["id"]] = tr
-    return {**manifest, "dir": str(out_dir), "transcripts": free}
+    standin = manifest.get("dequantized_check") or {}
+    generated_on = producer["variant"].runtime if manifest.get("reused_reference") else (
+        standin["runtime"] if standin.get("used") else variant.runtime)
+    return {**manifest, "dir": str(out_dir), "transcripts": free, "generated_on": generated_on}

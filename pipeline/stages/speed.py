@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 # the trial figures that get a median and an interval (catalogue metrics of the speed and memory sections)
 TRIAL_FIGURES = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s", "peak_rss_mb",
-                 "device_peak_mb")
+                 "device_peak_mb", "load_peak_rss_mb", "steady_rss_mb")
 AA_SUFFIX = "#A/A"
 # how the trials were run (trials.json and summary.speed_protocol "workers")
 WORKERS_KEPT = "one per label for the stage"
@@ -139,6 +139,15 @@ def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
                         if keep and label not in workers:
                             workers[label] = ProbeWorker(spec, label)
                         trial = run_trial(spec, sp.max_cpu_noise, label, workers.get(label))
+                        if keep and trial.get("peak_rss_per_trial") is False:
+                            # the kernel refused to reset the high-water mark: a kept process would report its
+                            # load's peak in every trial, so every later trial gets a fresh process of its own
+                            log.warning("speed: this kernel refuses to reset a process's peak RSS "
+                                        "(/proc/self/clear_refs): a fresh probe process per trial from here on")
+                            keep = False
+                            for worker in workers.values():
+                                worker.close()
+                            workers.clear()
                     except Exception as exc:  # a variant whose probe fails is reported without speed, the others go on
                         log.error("speed trial of %s failed: %s", label, exc)
                         trial = {"error": f"{type(exc).__name__}: {exc}"}

@@ -69,8 +69,10 @@ def _choose_generator(cfg: Config, kernel_rt, artifact: Artifact, refs: dict, or
         proxy_path = dequantized_proxy(cfg, artifact)
     except Skip as exc:
         return kernel_rt, {"used": False, "reason": f"no GGUF stand-in: {exc}"}
-    proxy_rt = load_runtime(f16_variant(), proxy_path, cfg, n_ctx=n_ctx_for(need, original.facts.get("context_length")))
-    check = proxy_check(kernel_rt, proxy_rt, next(iter(refs.values())), cfg.reference.top_k)
+    standin = f16_variant()
+    proxy_rt = load_runtime(standin, proxy_path, cfg, n_ctx=n_ctx_for(need, original.facts.get("context_length")))
+    check = {**proxy_check(kernel_rt, proxy_rt, next(iter(refs.values())), cfg.reference.top_k),
+             "runtime": standin.runtime}
     log.info("%s: dequantized stand-in vs kernel on %s: KLD %.4g vs %.4g (gap %.1f%%), top-1 agreement %.1f%% -> %s",
              cfg.variant.name, check["sample"], check["kld_dequantized"], check["kld_kernel"], 100 * check["kld_gap"],
              100 * check["top1_agreement"], "use it for free-running" if check["ok"] else "use the kernel")

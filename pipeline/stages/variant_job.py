@@ -114,6 +114,33 @@ def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict
     return refs, producer, parity
 
 
+def runtime_baseline(cfg: Config, original, renderer, suites: dict, refs: dict, producer: dict,
+                     runtime: str) -> dict | None:
+    """The original's own free-running on ``runtime``, where a variant's replies were generated on a runtime other
+    than the reference's producer: its flips against this baseline are the variant's own, without the runtime
+    switch's (llama.cpp -> transformers: other kernels, other rounding, other greedy picks), and this baseline's
+    flips against the reference are the runtime switch's own floor. A stage shared by every variant on that
+    runtime; None where the replies came from the producer's runtime."""
+    import dataclasses
+
+    from pipeline.config.compose import load_variant
+    from pipeline.stages.evaluate import evaluate_variant
+    from pipeline.stages.quantize import build_artifact
+    from pipeline.stages.reference import f16_variant
+
+    if runtime == producer["variant"].runtime:
+        return None
+    candidates = [v for v in (load_variant("original"), f16_variant()) if v.runtime == runtime]
+    if not candidates:
+        log.warning("no baseline of the original on runtime %r: flips of variants generated there include the "
+                    "runtime switch", runtime)
+        return None
+    variant = candidates[0]
+    artifact = build_artifact(variant, original, cfg)
+    return evaluate_variant(dataclasses.replace(cfg, variant=variant), original, renderer, artifact, suites, refs,
+                            producer, folder=f"original@{runtime}", reuse=False)
+
+
 def evaluate_job(cfg: Config) -> dict:
     """Evaluate cfg.variant; always leaves a result file (ok, skipped or failed) for the report."""
     from pipeline.suites.conversation import ChatRenderer
@@ -148,7 +175,8 @@ def evaluate_job(cfg: Config) -> dict:
             served_suites = deployment_suites(cfg, parity, suites)
             served = (deployment_path(cfg, original, renderer, artifact, suites, served_suites)
                       if served_suites else None)
-            checked = check_variant(cfg, suites, refs, free, served)
+            baseline = runtime_baseline(cfg, original, renderer, suites, refs, producer, free["generated_on"])
+            checked = check_variant(cfg, suites, refs, free, served, baseline)
         except Skip as exc:
             result = {**base, "status": "skipped", "reason": str(exc)}
             write_json(result_path(cfg, variant.name), result)
@@ -164,6 +192,9 @@ def evaluate_job(cfg: Config) -> dict:
             # dir: the checks stage's folder (samples.jsonl, served.jsonl); the free-running and scoring stages'
             # folders beside it
             "evaluation": {"dir": checked["dir"], "free_running_dir": free["dir"], "manifest_hash": free["key_hash"],
+                           "generated_on": free["generated_on"],
+                           "baseline": ({"runtime": baseline["generated_on"], "dir": baseline["dir"],
+                                         "manifest_hash": baseline["key_hash"]} if baseline else None),
                            "checks_manifest_hash": checked["key_hash"],
                            "scores_dir": scores["dir"],
                            "scores_manifest_hash": scores["key_hash"],
