@@ -307,3 +307,84 @@ def test_a_trial_figure_regresses_only_when_both_intervals_are_apart(gate):
     new["variants"]["gguf_q8_0"]["speed"]["decode_tokens_per_s"] = 8.0
     code, _, md = gate(new, base, extra)
     assert code == 1 and "| gguf_q8_0 | decode_tokens_per_s | **REGRESSED**" in md
+
+
+ROUND_NOISE = [1.0, 1.03, 0.97, 1.01, 0.99, 1.02]     # what the machine does to every variant in a round
+
+
+def _with_trials(summary: dict, scale: float = 1.0, slow: dict | None = None, floor: float = 0.05) -> dict:
+    """Stored interleaved trials for every variant (the control `original` included) and the A/A floor: a
+    round's machine noise moves every variant alike, ``scale`` moves the whole machine, ``slow`` one variant."""
+    s = copy.deepcopy(summary)
+    for i, (name, v) in enumerate(s["variants"].items()):
+        own = scale * (slow or {}).get(name, 1.0)
+        jitter = [1.0, 0.995, 1.004, 1.0, 0.998, 1.003]
+        jitter = jitter[i:] + jitter[:i]           # each variant's own small jitter
+        values = {m: [v["speed"][m] * own * n * j for n, j in zip(ROUND_NOISE, jitter)]
+                  for m in ("decode_tokens_per_s", "prefill_tokens_per_s")}
+        v["speed_trials"] = {"rounds": 6, "failed": [], "values": values}
+        v["speed"] = {m: sorted(x)[3] for m, x in values.items()}
+        v["runtime"], v["kernel"] = ("hf", "torch") if name == "original" else ("llamacpp", "ggml-cpu")
+    s["speed_noise"] = {"control": "original", "rounds": 6,
+                        "figures": {m: {"floor": floor} for m in ("decode_tokens_per_s", "prefill_tokens_per_s")}}
+    s["versions"] = {"torch": "2.13.0", "transformers": "5.24.0", "llama-cpp-python": "0.3.36"}
+    s["hardware"] = {"cpu": "AMD EPYC", "cores": 2, "cpu_key": "d33f879f", "memory_gib": 23.4}
+    s["bandwidth"] = {"bytes_per_s": 40e9}
+    return s
+
+
+def test_a_uniformly_slower_machine_passes_and_its_drift_is_reported(gate, tmp_path):
+    """Every variant and the control 30 % slower (another instance of the same machine type): the ratios to the
+    control are unchanged, so nothing regresses, and the diff states the machine drift and the gate's power."""
+    base = _with_trials(_summary())
+    code, junit, md = gate(_with_trials(_summary(), scale=0.7), base,
+                           "regress.tolerances.decode_tokens_per_s.ratio=0.9")   # absolute figures would fail
+    assert code == 0, md
+    assert "ratio to the control measured in the same interleaved rounds" in md
+    assert "this machine decodes 30% slower than the baseline's (control `original`: 21.1 vs 30.1 tok/s" in md
+    assert "Smallest control-relative speed regression this run can detect" in md and "decode tok/s 7%" in md
+    line = json.loads((tmp_path / "results" / "history.jsonl").read_text().splitlines()[-1])
+    assert line["machine_drift"]["decode_tokens_per_s"] == pytest.approx(-0.3, abs=1e-9)
+
+
+def test_one_variant_slower_against_the_control_fails_naming_it(gate):
+    """One variant alone 20 % slower than its control-relative baseline, on a machine 30 % slower overall: that
+    variant and figure fail, nothing else does; so does a new llama.cpp build that slows it (the control runs on
+    transformers, unchanged), which the absolute check would have skipped as a library change."""
+    base = _with_trials(_summary())
+    new = _with_trials(_summary(), scale=0.7, slow={"gguf_q8_0": 0.8})
+    code, junit, md = gate(new, base)
+    assert code == 1, md
+    failed = [(tc.get("classname"), tc.get("name")) for tc in junit.iter("testcase") if tc.find("failure") is not None]
+    assert sorted(failed) == [("quantdrift.gguf_q8_0", "decode_tokens_per_s"),
+                              ("quantdrift.gguf_q8_0", "prefill_tokens_per_s")]
+    assert "| gguf_q8_0 | decode_tokens_per_s | **REGRESSED** | 1.596× the control `original`" in md
+    assert "change -20.0%" in md
+    new["versions"]["llama-cpp-python"] = "0.3.40"
+    code, _, md = gate(new, base)
+    assert code == 1 and "library versions differ" in md and "| gguf_q8_0 | decode_tokens_per_s | **REGRESSED**" in md
+    # within the combined floors (sqrt(0.05^2 + 0.05^2) = 7 %): a 5 % slowdown is noise
+    assert gate(_with_trials(_summary(), scale=0.7, slow={"gguf_q8_0": 0.95}), base)[0] == 0
+
+
+def test_a_changed_control_falls_back_to_absolute_figures_and_says_so(gate):
+    """The control's own engine changed (torch upgraded): its ratio no longer cancels the machine, so the gate
+    says so and compares absolute figures only where the environment matches (here it does not: skipped)."""
+    base = _with_trials(_summary())
+    new = _with_trials(_summary(), scale=0.7, slow={"gguf_q8_0": 0.8})
+    new["versions"]["torch"] = "2.14.0"
+    code, _, md = gate(new, base)
+    assert code == 0, md
+    assert "judged on absolute figures (the control `original` changed since the baseline (torch 2.13.0 -> 2.14.0))" in md
+    assert "not compared: decode_tokens_per_s" in md
+
+
+def test_instances_told_apart_by_the_hardware_record(gate):
+    """Same CPU model string, other instruction set (a cpu_key) or memory: not the same hardware; the speed
+    figures are then not compared at all unless compare_all."""
+    base = _with_trials(_summary())
+    new = _with_trials(_summary(), slow={"gguf_q8_0": 0.5})
+    new["hardware"]["cpu_key"] = "0badc0de"
+    code, _, md = gate(new, base)
+    assert code == 0 and "hardware differs (cpu_key 'd33f879f' -> '0badc0de')" in md
+    assert "not compared: decode_tokens_per_s" in md

@@ -89,6 +89,9 @@ class RegressConfig:
     tolerances: dict = field(default_factory=dict)
     per_variant: dict = field(default_factory=dict)
     promote: str = ""            # `quantdrift baseline promote RUN`: the run to make the new baseline
+    control: str = ""            # the speed control ("" = the run's A/A control, speed_noise.control)
+    control_relative: bool = True     # judge speed as a ratio to the control measured in the same rounds
+    control_min_tolerance: float = 0.05   # the control-relative tolerance is never below this
 
     KEYS = ("rel", "abs", "ratio", "interval", "better")
 
@@ -96,6 +99,9 @@ class RegressConfig:
         from pipeline.config.summary_contract import METRICS
 
         judged = {m.name: m for m in METRICS if m.better}
+        _require(isinstance(self.control_min_tolerance, (int, float)) and 0 <= self.control_min_tolerance < 1,
+                 "regress.control_min_tolerance", self.control_min_tolerance, "a fraction in [0, 1)")
+        _require(isinstance(self.control, str), "regress.control", self.control, "a variant's name or \"\"")
         for where, tol in [("tolerances", self.tolerances)] + [(f"per_variant.{v}", t)
                                                               for v, t in (self.per_variant or {}).items()]:
             for metric, spec in (tol or {}).items():

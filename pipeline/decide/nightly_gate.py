@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pipeline.config import summary_contract as catalogue
 from pipeline.config.schema import PROJECT_ROOT, Config
+from pipeline.decide import speed_control
 from pipeline.infra.errors import ConfigError
 from pipeline.infra.files import atomic_write_text, read_json, write_json
 
@@ -93,11 +94,9 @@ def compare_metric(metric: str, new_v: dict, base_v: dict, tol: dict) -> tuple[b
 
 
 def environment_matches(new: dict, base: dict) -> tuple[bool, str]:
-    hw_new, hw_base = new.get("hardware", {}), base.get("hardware", {})
-    if (hw_new.get("cpu"), hw_new.get("cores")) != (hw_base.get("cpu"), hw_base.get("cores")):
-        return False, f"hardware differs ({hw_base.get('cpu')} x{hw_base.get('cores')} -> {hw_new.get('cpu')} x{hw_new.get('cores')})"
-    if new.get("run", {}).get("device") != base.get("run", {}).get("device"):
-        return False, "device differs"
+    same_hw, hw_note = speed_control.hardware_matches(new, base)
+    if not same_hw:
+        return False, hw_note
     diff = sorted(k for k in set(new.get("versions", {})) | set(base.get("versions", {}))
                   if new.get("versions", {}).get(k) != base.get("versions", {}).get(k))
     if diff:
@@ -144,9 +143,13 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
     same_env, env_note = environment_matches(new, base)
     same_dec, dec_note = decoding_matches(new, base)
     same_checks, checks_note = checks_match(new, base)
+    # speed as a ratio to a control measured in the same rounds: compared whenever the control and the hardware
+    # are unchanged, even when other libraries changed (that is the regression the gate is for)
+    control = speed_control.plan(new, base, cfg_regress)
+    relative = set(speed_control.speed_metrics()) if control["applies"] else set()
     judged = [m.name for m in catalogue.METRICS if m.better]
-    metrics = judged if (same_env or cfg_regress.compare_all) else [m for m in judged if
-                                                                    catalogue.BY_NAME[m].hardware_independent]
+    metrics = judged if (same_env or cfg_regress.compare_all) else [
+        m for m in judged if catalogue.BY_NAME[m].hardware_independent or m in relative]
     # why each left-out metric is left out: "environment" or "decoding" (the result's note of that name says how)
     why = {m: "environment" for m in judged if m not in metrics}
     # the free-running replies' metrics (pass and flip rates) need the same decoding and the same checks
@@ -168,12 +171,24 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
                    **((cfg_regress.per_variant or {}).get(name, {}) or {}).get(metric, {})}
             if not tol:
                 continue
-            bad, msg = compare_metric(metric, new_v, base_v, tol)
+            if metric in relative and name == control["control"]:
+                d = control["drift"].get(metric)
+                msg = ("the control: its own change is the machine drift, reported and not gated"
+                       + (f" ({d['new']:.4g} vs {d['base']:.4g}, {d['change']:+.0%})" if d else ""))
+                cases.append({"variant": name, "metric": metric, "regressed": False, "message": msg})
+                continue
+            if metric in relative and metric in control["tolerances"]:
+                bad, msg = speed_control.compare(metric, name, new, base, control["control"],
+                                                 control["tolerances"][metric])
+            else:
+                bad, msg = compare_metric(metric, new_v, base_v, tol)
             cases.append({"variant": name, "metric": metric, "regressed": bad, "message": msg})
     skipped = [m for m in (cfg_regress.tolerances or {}) if m in judged and m not in metrics]
     return {"cases": cases, "regressions": sum(c["regressed"] for c in cases), "environment": env_note,
+            "bandwidth": new.get("bandwidth"), "baseline_bandwidth": base.get("bandwidth"),
             "same_environment": same_env, "decoding": dec_note, "same_decoding": same_dec,
             "checks": checks_note, "same_checks": same_checks,
+            "speed_control": control, "control_relative": sorted(relative),
             "skipped_metrics": skipped, "skipped_because": {m: why[m] for m in skipped}}
 
 
@@ -208,6 +223,12 @@ def diff_markdown(result: dict, new_path: Path, base_path: Path) -> str:
     if not result.get("same_checks", True):
         lines.append(f"Checks: {result['checks']}; not compared: " + ", ".join(left_out["checks"])
                      + " (promote a baseline scored with this run's checks: `make promote`).")
+    control = result.get("speed_control") or {}
+    if control:
+        lines.append(("Speed: judged as a ratio to the control measured in the same interleaved rounds ("
+                      f"{control['note']})." if result.get("control_relative") else
+                      f"Speed: judged on absolute figures ({control['note']})."))
+        lines += speed_control.drift_lines(control, result.get("baseline_bandwidth"), result.get("bandwidth"))
     lines += ["", "| variant | metric | result | detail |", "|---|---|---|---|"]
     for c in sorted(result["cases"], key=lambda c: (not c["regressed"], c["variant"], c["metric"])):
         lines.append(f"| {c['variant']} | {c['metric']} | {'**REGRESSED**' if c['regressed'] else 'ok'} | "
@@ -230,6 +251,9 @@ def history_line(summary: dict, result: dict | None) -> dict:
         "commit": _git_commit(), "versions": summary.get("versions"), "hardware": summary.get("hardware"),
         "recommendation": summary["recommendation"].get("variant"),
         "regressions": None if result is None else result["regressions"],
+        # the control's own speed against the baseline's: this machine's drift (a trend across nightly runs)
+        "machine_drift": None if result is None else {
+            m: d["change"] for m, d in ((result.get("speed_control") or {}).get("drift") or {}).items()},
         "schema_version": summary.get("schema_version"),
         # every judged metric of the catalogue (a trend plot reads what it knows)
         "variants": {n: {"status": v["status"], **({m.name: catalogue.value(v, m.name) for m in catalogue.METRICS
