@@ -5,7 +5,6 @@ load) are in ``pipeline.config.commands``."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from pipeline.config.settings import positive_int as _positive_int
 from pipeline.config.settings import require as _require
 from pipeline.config.commands import (BenchConfig, CalibrationSweepConfig, CapacityConfig, CorpusConfig, DecisionConfig,
                                       LoadConfig, RegressConfig, WorkloadConfig)
+from pipeline.infra.cpus import usable_cpus
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -212,7 +212,7 @@ class RuntimeConfig:
 
     @property
     def n_threads(self) -> int:
-        return self.threads or (os.cpu_count() or 1)
+        return self.threads or usable_cpus()
 
 
 @dataclass

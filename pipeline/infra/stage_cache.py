@@ -18,6 +18,8 @@ import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from pipeline.infra.cpus import usable_cpus
 from pipeline.infra.files import dumps, read_json, stable_hash, write_json
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,8 @@ def hardware() -> dict[str, Any]:
                 memory_gib = round(int(line.split()[1]) / 2**20, 1)
     features = cpu_features(cpuinfo)
     return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(), "system": platform.system(),
-            "cpu_features": features, "cpu_key": cpu_key(features) if features else None, "memory_gib": memory_gib}
+            "cpu_features": features, "cpu_key": cpu_key(features) if features else None, "memory_gib": memory_gib,
+            "usable_cpus": usable_cpus()}
 
 
 @contextlib.contextmanager

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pipeline.infra.cpus import usable_cpus
+
 
 def _copy_threads(a, b, threads: int) -> float:
     """Seconds for ``threads`` threads to each copy their slice of ``a`` into ``b`` (numpy releases the GIL for a
@@ -79,7 +81,7 @@ def measure_bandwidth(device: str = "cpu", mib: int = 512, repeats: int = 7, thr
 
     from pipeline.measure.probe import OtherCpu
 
-    threads = threads or os.cpu_count() or 1
+    threads = threads or usable_cpus()
     llc = last_level_cache_bytes()
     if llc and n < 8 * llc:
         n = 8 * llc

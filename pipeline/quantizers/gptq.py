@@ -28,6 +28,7 @@ from importlib import metadata
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.infra.cpus import usable_cpus
 from pipeline.infra.errors import ConfigError
 from pipeline.quantizers.base import Quantizer, Skip, run_worker
 from pipeline.quantizers.calibration import (DEFAULT_CALIBRATION, PROJECT_ROOT, calibration_key, calibration_texts,
@@ -159,7 +160,7 @@ class GPTQModelQuantizer(Quantizer):
         with tempfile.TemporaryDirectory(prefix="qd-gptq-") as scratch:
             spec_path = Path(scratch) / "spec.json"
             spec_path.write_text(json.dumps(spec))
-            env = dict(os.environ, GPTQMODEL_CPU_WORKERS=str(os.cpu_count() or 1), PYTHONUNBUFFERED="1")
+            env = dict(os.environ, GPTQMODEL_CPU_WORKERS=str(usable_cpus()), PYTHONUNBUFFERED="1")
             env["PYTHONPATH"] = str(PROJECT_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
             stats, wall = run_worker([sys.executable, "-m", "pipeline.quantizers.gptq", str(spec_path)],
                                      Path(scratch), env, f"GPTQModel {s['method']} quantization")
