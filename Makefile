@@ -54,7 +54,7 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare load report test bench calibration llmc-env print-llmc-python clean-venv converter llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key
+.PHONY: setup compare load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key
 
 setup: $(VENV)/.installed
 
@@ -143,6 +143,16 @@ $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py:
 	  llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/gguf-py
 	test -f $@
 
+# real chat templates of many model families and tokenizer-only GGUFs (llama.cpp's models/), for the template tests
+chat-templates: $(LLAMA_CPP_SRC)/models/templates/README.md
+$(LLAMA_CPP_SRC)/models/templates/README.md: | $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py
+	test -f $(CACHE)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz || \
+	  $(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(CACHE)/sdist
+	tar -xzf $(CACHE)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_CPP_SRC) --strip-components=3 \
+	  --wildcards 'llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/models/templates/*' \
+	  'llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/models/ggml-vocab-*.gguf'
+	test -f $@
+
 # variants quantized with an importance matrix need llama.cpp's llama-imatrix and llama-quantize (`make llama-tools`)
 IMATRIX_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
   grep -qs '^ *imatrix: *true' conf/variant/$${v%%+*}.yaml && echo $$v; done)
@@ -175,7 +185,7 @@ load: setup llama-tools
 report: setup
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 
-test: setup browser llama-tools llmc-env
+test: setup browser llama-tools llmc-env chat-templates
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # Headless Chromium renders report.html in a test. Debian's package, installed when missing and we may (root);

@@ -90,6 +90,12 @@ def _model_section(summary: dict) -> tuple:
                      f"{'PASS' if parity['ok'] else 'FAIL: GGUF variants are not measured'}.")
         if parity.get("tokenizer"):
             items.append(_tokenizer_line(parity["tokenizer"]))
+    if m.get("system_role") in ("rejected", "dropped"):
+        items.append("Chat template: it " + ("raises on a system message" if m["system_role"] == "rejected" else
+                                             "renders no system message (the model would never see it)")
+                     + ", so every conversation's system prompt was folded into its first user turn (system text, "
+                     "a blank line, the user text); a deployment that sends a system message to this model gets "
+                     "other behaviour than measured here.")
     repair = m.get("tokenizer_repair")
     if repair:
         items.append(f"Tokenizer repaired at prepare: transformers rebuilt this GGUF's tokenizer with a plain "

@@ -123,6 +123,8 @@ def _count_params(folder: Path) -> int:
 def architecture_facts(folder: Path, trust_remote_code: bool) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
+    from pipeline.suites.conversation import system_role_support
+
     cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     heads = text_cfg.num_attention_heads
@@ -153,6 +155,9 @@ def architecture_facts(folder: Path, trust_remote_code: bool) -> dict:
         "tie_word_embeddings": bool(getattr(text_cfg, "tie_word_embeddings", False)),
         "chat_template": template,
         "chat_template_hash": stable_hash(template) if template else None,
+        # how the template treats a system message (native / rejected / dropped: then folded into the first
+        # user turn when conversations are rendered)
+        "system_role": system_role_support(tok) if template else None,
         "eos_token_ids": sorted(int(e) for e in eos),
         "bos_token_id": tok.bos_token_id,
         "torch_dtype": str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)),

@@ -24,6 +24,37 @@ PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant: {% endif %}"
 )
+# A system text no template would write on its own, to see whether the template keeps a system turn.
+SYSTEM_PROBE = "qd-system-probe-7f3a"
+
+
+def system_role_support(tok) -> str:
+    """How the tokenizer's chat template treats a system message: "native" (rendered), "rejected" (the template
+    raises: Gemma 2) or "dropped" (rendered without it: Phi-3's template writes only user and assistant turns);
+    "unusable" when it cannot render one plain user message either (a tool-use template that needs tools)."""
+    messages = [{"role": "system", "content": SYSTEM_PROBE}, {"role": "user", "content": "Hello."}]
+    try:
+        tok.apply_chat_template(messages[1:], add_generation_prompt=True, tokenize=False)
+    except Exception:       # noqa: BLE001  (a template that needs tools or other inputs: not a system-role question)
+        return "unusable"
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception:       # noqa: BLE001  (jinja2's TemplateError from raise_exception, or any template failure)
+        return "rejected"
+    return "native" if SYSTEM_PROBE in text else "dropped"
+
+
+def fold_system(messages: list[dict]) -> list[dict]:
+    """The system message folded into the first user turn (system text, a blank line, the user text), as model
+    cards of templates without a system role advise; other messages unchanged."""
+    if not messages or messages[0].get("role") != "system":
+        return messages
+    system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
+    for m in rest:
+        if m.get("role") == "user":
+            m["content"] = f"{system}\n\n{m['content']}"
+            return rest
+    return [{"role": "user", "content": system}] + rest
 
 
 class ChatRenderer:
@@ -39,8 +70,26 @@ class ChatRenderer:
                                   "'User:/Assistant:' format with model.allow_plain_template=true")
             self.tok.chat_template = PLAIN_TEMPLATE
             self.plain = True
+        # a template that rejects or drops the system role gets the system text in the first user turn, so the
+        # model still sees its instructions (the report says so, from the prepare facts)
+        self.system_role = system_role_support(self.tok)
+        if self.system_role == "unusable":
+            try:
+                self.tok.apply_chat_template([{"role": "user", "content": "Hello."}], add_generation_prompt=True,
+                                             tokenize=False)
+                why = "it renders inconsistently"
+            except Exception as exc:     # noqa: BLE001
+                why = f"{type(exc).__name__}: {exc}"
+            raise ConfigError(f"the chat template of {checkpoint} cannot render a plain conversation (one user "
+                              f"message, no tools): {why}. quantdrift renders system, user and assistant turns; "
+                              "use the model's chat template for plain chat (a tool-use template needs tools)")
+        if self.system_role != "native":
+            log.info("the chat template of %s %s a system message: the system prompt is folded into the first "
+                     "user turn", checkpoint, "rejects" if self.system_role == "rejected" else "drops")
 
     def render(self, messages: list[dict]) -> str:
+        if self.system_role != "native":
+            messages = fold_system(messages)
         return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def encode(self, text: str) -> list[int]:
@@ -73,7 +122,10 @@ class ChatRenderer:
         full = self.render(messages + [{"role": "assistant", "content": reply_text}, {"role": "user", "content": user}])
         if not full.startswith(prefix):
             raise ConfigError("the chat template rewrites earlier turns (the rendered history is not a prefix of the "
-                              "next prompt), so exact multi-turn token streams cannot be built for this model")
+                              "next prompt: reasoning templates strip the thinking of earlier replies, some move the "
+                              "system message to the last user turn), so one exact token stream per conversation "
+                              "cannot be built for this model's multi-turn conversations; measure it on single-turn "
+                              "suites (run.suites=[long_output])")
         return prompt_ids + reply_ids + self.encode(full[len(prefix):])
 
 
