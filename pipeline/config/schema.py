@@ -30,6 +30,9 @@ class ModelConfig:
     allow_plain_template: bool = False
     # dtype the dequantized GGUF or hub checkpoint is saved in; the HF runtime picks its compute dtype itself.
     save_dtype: str = "float32"
+    # The BPE pre-tokenizer llama.cpp's converter writes into the GGUF ("" = the one it recognises by hash); for a
+    # fine-tuned model whose tokenizer the converter does not recognise, the base model's (llama-bpe, qwen2, …).
+    gguf_pre_tokenizer: str = ""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.source, str) and self.source.strip() != "", "model.source", self.source,

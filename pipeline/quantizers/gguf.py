@@ -22,6 +22,7 @@ from pipeline.infra.errors import ConfigError
 from pipeline.quantizers.base import Quantizer, Skip
 from pipeline.infra.stage_cache import run_stage
 from pipeline.infra.gguf_file import fallback_tensors, tensor_types
+from pipeline.quantizers.gguf_convert import conversion_failure, known_pre_tokenizers
 
 if TYPE_CHECKING:
     from pipeline.config.schema import Config
@@ -48,21 +49,25 @@ def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_
         from pipeline.infra.files import check_free_space, dir_bytes
 
         check_free_space(tmp, 1.1 * dir_bytes(checkpoint), f"converting {checkpoint.name} to F16 GGUF")
-        env = dict(os.environ, PYTHONPATH=str(src / "gguf-py") + os.pathsep + str(src), NO_LOCAL_GGUF="")
-        cmd = [sys.executable, str(script), str(checkpoint), "--outfile", str(tmp / F16_FILE), "--outtype", "f16",
-               "--model-name", model_name]
-        log.info("converting %s to F16 GGUF with llama.cpp's converter", checkpoint)
+        env = dict(os.environ, PYTHONPATH=str(src / "gguf-py") + os.pathsep + str(src) + os.pathsep
+                   + str(Path(__file__).resolve().parents[2]), NO_LOCAL_GGUF="")
+        cmd = [sys.executable, "-m", "pipeline.quantizers.gguf_convert", str(src), pre, "--", str(checkpoint),
+               "--outfile", str(tmp / F16_FILE), "--outtype", "f16", "--model-name", model_name]
+        log.info("converting %s to F16 GGUF with llama.cpp's converter%s", checkpoint,
+                 f" (BPE pre-tokenizer set to {pre!r})" if pre else "")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, **child_options())
         if proc.returncode != 0:
-            text = proc.stderr + proc.stdout
-            if "not supported" in text or "NotImplementedError" in text:
-                arch = next((ln for ln in text.splitlines() if "not supported" in ln), "unsupported architecture")
-                raise Skip(f"llama.cpp's converter does not support this model: {arch.strip()}")
-            tail = "\n".join(text.strip().splitlines()[-8:])
-            raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}):\n{tail}")
-        return {"artifact": F16_FILE, "tensor_types": tensor_types(tmp / F16_FILE)}
+            # any conversion failure costs the GGUF variants only: a Skip with the converter's own cause
+            raise Skip(conversion_failure(proc.stderr + proc.stdout, proc.returncode))
+        return {"artifact": F16_FILE, "tensor_types": tensor_types(tmp / F16_FILE),
+                "gguf_pre_tokenizer_override": pre or None}
 
-    key = {"upstream": upstream_hash, "converter": str(script), "llama_cpp": metadata.version("llama-cpp-python")}
+    pre = cfg.model.gguf_pre_tokenizer
+    if pre and pre not in known_pre_tokenizers(src):
+        raise ConfigError(f"model.gguf_pre_tokenizer={pre!r} is not a pre-tokenizer llama.cpp's converter knows: "
+                          f"expected one of {', '.join(known_pre_tokenizers(src))}")
+    key = {"upstream": upstream_hash, "converter": str(script), "llama_cpp": metadata.version("llama-cpp-python"),
+           **({"pre_tokenizer": pre} if pre else {})}
     run_stage("convert:f16-gguf", out_dir, key, build, force=False)
     return out_dir / F16_FILE
 

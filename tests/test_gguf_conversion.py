@@ -1,0 +1,74 @@
+"""A GGUF conversion failure is named with the converter's own cause and the override that gets past it, and
+costs the GGUF variants only: an unrecognised BPE pre-tokenizer (the commonest failure for a fine-tuned model,
+fixed by model.gguf_pre_tokenizer) and a Phi-3 folder without the SentencePiece tokenizer.model its converter
+path needs."""
+
+import json
+import shutil
+
+import pytest
+
+from pipeline.cli import run
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.infra.errors import ConfigError, Skip
+from pipeline.quantizers.gguf_convert import conversion_failure
+from tests.conftest import compose
+
+
+def _cfg(model, root, *extra):
+    return compose([f"model.source={model}", "model.name=tiny", "profile=smoke", "run.suites=[smoke]",
+                    f"paths.artifacts={root / 'artifacts'}", f"paths.results={root / 'results'}",
+                    f"paths.cache={PROJECT_ROOT / '.cache'}", *extra])
+
+
+@pytest.fixture
+def retokenized(tmp_path, tiny_llama):
+    """The tiny model with a re-saved tokenizer.json whose pre-tokenizer no release of llama.cpp has hashed."""
+    model = shutil.copytree(tiny_llama, tmp_path / "finetuned")
+    tok = json.loads((model / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    return model
+
+
+def test_an_unrecognised_pre_tokenizer_is_named_and_the_override_converts(tmp_path, retokenized):
+    from pipeline.infra.gguf_file import gguf_metadata
+    from pipeline.quantizers.gguf import convert_checkpoint
+
+    cfg = _cfg(retokenized, tmp_path)
+    with pytest.raises(Skip, match="does not recognise this tokenizer's BPE pre-tokenizer.*model.gguf_pre_tokenizer"):
+        convert_checkpoint(cfg, retokenized, "h", "tiny", tmp_path / "f16")
+    cfg = _cfg(retokenized, tmp_path, "model.gguf_pre_tokenizer=smollm")
+    path = convert_checkpoint(cfg, retokenized, "h", "tiny", tmp_path / "f16")
+    assert gguf_metadata(path, "tokenizer.ggml.pre") == "smollm"
+    with pytest.raises(ConfigError, match="model.gguf_pre_tokenizer='smolm' is not a pre-tokenizer.*llama-bpe"):
+        convert_checkpoint(_cfg(retokenized, tmp_path, "model.gguf_pre_tokenizer=smolm"), retokenized, "h",
+                           "tiny", tmp_path / "f16b")
+
+
+def test_a_phi3_folder_without_tokenizer_model_skips_the_gguf_variants_only(tmp_path, tiny_tokenizer_dir):
+    import torch
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from pipeline.stages.variant_job import load_result
+
+    torch.manual_seed(0)
+    model = tmp_path / "phi3"
+    Phi3ForCausalLM(Phi3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2)).save_pretrained(str(model))
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, model / f.name)
+    assert run(_cfg(model, tmp_path, "variant=gguf_q4_0")) == 0
+    result = load_result(_cfg(model, tmp_path, "variant=gguf_q4_0"), "gguf_q4_0")
+    assert result["status"] == "skipped"
+    assert "needs a SentencePiece tokenizer.model" in result["reason"] and "Missing" in result["reason"]
+    assert run(_cfg(model, tmp_path, "variant=original")) == 0
+    assert load_result(_cfg(model, tmp_path, "variant=original"), "original")["status"] == "ok"
+
+
+def test_failure_texts_are_read_into_causes():
+    assert "does not support this architecture: NotImplementedError: Architecture 'X' not supported!" in \
+        conversion_failure("...\nNotImplementedError: Architecture 'X' not supported!\n", 1)
+    assert conversion_failure("Traceback ...\nKeyError: 'rope_theta'\n", 1) == \
+        "llama.cpp's converter failed (exit 1): KeyError: 'rope_theta'"
