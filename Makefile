@@ -14,6 +14,24 @@ LLAMA_CPP_VERSION ?= 0.3.36
 CACHE ?= .cache
 LLAMA_CPP_SRC := $(CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)
 
+# `make report`, `make promote` and `make nightly` without MODEL= act on the model this clone has run (each
+# `make compare` records its MODEL and VARIANTS in artifacts/.runs/); with runs of several models they ask for
+# MODEL=. VARIANTS then defaults to the variants that model was compared with.
+RUN_RECORDS := $(sort $(wildcard artifacts/.runs/*.mk))
+ifneq ($(filter report promote nightly,$(MAKECMDGOALS)),)
+  ifeq ($(origin MODEL),undefined)
+    ifeq ($(words $(RUN_RECORDS)),1)
+      include $(RUN_RECORDS)
+    else ifneq ($(words $(RUN_RECORDS)),0)
+      $(error runs of several models exist here ($(foreach r,$(RUN_RECORDS),$(shell sed -n 's/^MODEL := //p' $(r)))): pass MODEL=... to make $(filter report promote nightly,$(MAKECMDGOALS)))
+    endif
+  else ifeq ($(origin VARIANTS),undefined)
+    RUN_RECORD := artifacts/.runs/$(shell printf '%s' '$(MODEL)' | sha1sum | cut -c1-8).mk
+    ifneq ($(wildcard $(RUN_RECORD)),)
+      include $(RUN_RECORD)
+    endif
+  endif
+endif
 MODEL ?= smollm2
 PROFILE ?= quick
 VARIANTS ?= original,gguf_f16,gguf_q8_0,gguf_q4_k_m,gguf_q4_0,gptq_w4,awq_w4_llmc,original+kv_int8,gguf_q8_0+kv_q8_0,gguf_q4_k_m+kv_q8_0
@@ -54,7 +72,7 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key
+.PHONY: setup compare compare-deps print-compare-load load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key
 
 setup: $(VENV)/.installed
 
@@ -163,17 +181,20 @@ LLMC_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
 
 # The served-load sweep (pipeline/stages/load.py): the llama.cpp variants on llama-server (make llama-tools), the HF-format
 # ones on `transformers serve --continuous-batching`, under guidellm's concurrent load. `make compare` runs the short
-# sweep (conf/load/short.yaml: llama.cpp variants only; full with PROFILE=full), `make load` the full one
+# sweep (conf/load/short.yaml: llama.cpp variants only), `make load` the full one
 # (conf/load/full.yaml, every runtime). LOAD_ARGS: e.g. "workload=batch" or "load.concurrency=[1,2,4,8]".
-ifeq ($(PROFILE),full)
-  COMPARE_LOAD ?= full
-else
-  COMPARE_LOAD ?= short
-endif
+# The full sweep takes hours on a CPU (every runtime, 5 concurrency levels, 3-4 depths): only `make load` runs it,
+# whatever the profile.
+COMPARE_LOAD ?= short
 LOAD_ARGS ?=
 LOAD_CMD = $(VENV)/bin/quantdrift command=load run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin
 
-compare: setup llama-tools $(if $(strip $(LLMC_VARIANTS)),llmc-env)
+# everything `make compare` needs built (scripts/nightly builds the same)
+compare-deps: setup llama-tools $(if $(strip $(LLMC_VARIANTS)),llmc-env)
+
+compare: compare-deps
+	@mkdir -p artifacts/.runs && printf 'MODEL := %s\nVARIANTS := %s\n' '$(MODEL)' '$(VARIANTS)' \
+	  > artifacts/.runs/$$(printf '%s' '$(MODEL)' | sha1sum | cut -c1-8).mk
 	$(VENV)/bin/quantdrift -m variant=$(VARIANTS) $(COMMON)
 	$(LOAD_CMD) load=$(COMPARE_LOAD) $(COMMON) $(LOAD_ARGS)
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
@@ -207,6 +228,8 @@ promote: setup
 
 print-variants:
 	@echo $(VARIANTS)
+print-compare-load:
+	@echo $(COMPARE_LOAD)
 print-suites:
 	@echo $(SUITES)
 # The Hydra overrides MODEL turns into (scripts/nightly and the tests use this, so the rule lives in one place).

@@ -1,0 +1,105 @@
+"""The follow-up targets act on the model this clone has run, and scripts/nightly does what `make compare` does.
+
+`make report`, `make promote` and `make nightly` without MODEL= read the run records `make compare` writes
+(artifacts/.runs/); with runs of several models they stop and ask for MODEL=. scripts/nightly builds what
+`make compare` builds, runs the comparison, the short load sweep, the report and the gate, and keeps the gate's
+exit code (0/1) apart from a failed run (2). Checked with `make -n` and with recording stand-ins for `make` and
+`quantdrift` (the real nightly run takes as long as a comparison)."""
+
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+
+import pytest
+
+from pipeline.config.schema import PROJECT_ROOT
+
+
+@pytest.fixture
+def clone(tmp_path):
+    shutil.copy(PROJECT_ROOT / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "pyproject.toml").touch()
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "smollm2.yaml").touch()
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / ".installed").touch()
+    return tmp_path
+
+
+def record(clone, model, variants):
+    runs = clone / "artifacts" / ".runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    (runs / f"{hashlib.sha1(model.encode()).hexdigest()[:8]}.mk").write_text(
+        f"MODEL := {model}\nVARIANTS := {variants}\n")
+
+
+def dry(clone, *args):
+    return subprocess.run(["make", "-n", *args], cwd=clone, capture_output=True, text=True, timeout=60)
+
+
+def test_report_acts_on_the_model_of_the_run(clone):
+    assert "model=smollm2 " in dry(clone, "report").stdout                         # nothing run yet: the demo
+    record(clone, "/models/acme-8b", "original,gguf_q4_k_m")
+    out = dry(clone, "report").stdout
+    assert "model=local model.source=/models/acme-8b" in out and "run.variants=[original,gguf_q4_k_m]" in out
+    assert "model.source=/models/acme-8b" in dry(clone, "promote").stdout
+    record(clone, "smollm2", "original")
+    refused = dry(clone, "report")
+    assert refused.returncode != 0 and "runs of several models exist here" in refused.stderr
+    assert "/models/acme-8b" in refused.stderr and "pass MODEL=" in refused.stderr
+    out = dry(clone, "report", "MODEL=smollm2").stdout
+    assert "model=smollm2 " in out and "run.variants=[original]" in out            # its own variants
+
+
+def test_compare_records_its_run_and_never_runs_the_full_load_sweep(clone):
+    out = dry(clone, "compare", "MODEL=/models/acme-8b", "PROFILE=full").stdout
+    assert "artifacts/.runs" in out and "load=short" in out and "load=full" not in out
+
+
+def _stub(path, body):
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.mark.parametrize("gate,compare,expected", [(0, 0, 0), (1, 0, 1), (0, 1, 2), (0, 3, 0)])
+def test_nightly_runs_what_compare_runs_and_keeps_its_exit_codes(tmp_path, gate, compare, expected):
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(PROJECT_ROOT / "scripts" / "nightly", tmp_path / "scripts" / "nightly")
+    log = tmp_path / "calls.log"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub(bin_dir / "make", f"""echo "make $*" >> {log}
+case "$*" in
+  *print-variants*) echo original,gguf_q8_0,awq_w4_llmc ;;
+  *print-suites*) echo long_output,multi_turn ;;
+  *print-model-args*) echo model=smollm2 ;;
+  *print-llama-tools*) echo /cache/llama-tools/bin ;;
+  *print-compare-load*) echo short ;;
+esac
+exit 0
+""")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    _stub(tmp_path / ".venv" / "bin" / "quantdrift", f"""echo "quantdrift $*" >> {log}
+case "$1" in
+  -m) exit {compare} ;;
+  regress) exit {gate} ;;
+esac
+exit 0
+""")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "scripts/nightly", "BASELINE=base.json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == expected, proc.stderr
+    calls = log.read_text().splitlines()
+    assert any(c.startswith("make -s compare-deps") and "VARIANTS=original,gguf_q8_0,awq_w4_llmc" in c
+               for c in calls)
+    if expected == 2:
+        assert not any("regress" in c for c in calls)
+        return
+    qd = [c for c in calls if c.startswith("quantdrift")]
+    assert [c.split()[1] for c in qd] == ["-m", "command=load", "report", "regress"]
+    assert "load=short" in qd[1] and "bench.llama_tools=/cache/llama-tools/bin" in qd[1]
+    assert "baseline=base.json" in qd[3]
+    assert list((tmp_path / "artifacts" / ".runs").glob("*.mk"))
