@@ -96,6 +96,17 @@ def _model_section(summary: dict) -> tuple:
                      + ", so every conversation's system prompt was folded into its first user turn (system text, "
                      "a blank line, the user text); a deployment that sends a system message to this model gets "
                      "other behaviour than measured here.")
+    folder = parity.get("folder_tokenizer") or {}
+    if folder.get("diverging_texts"):
+        ex = (folder.get("examples") or [{}])[0]
+        items.append(f"Tokenizer: transformers loaded `{folder['loaded']}` for this model, which splits "
+                     f"{folder['diverging_texts']} of {folder['texts']} suite texts differently from the folder's "
+                     f"own `tokenizer.json` ({folder['diverging_tokens']} of {folder['hf_tokens']} tokens"
+                     + (f"; first at `{_md_escape(ex.get('context', ''))}`" if ex else "") + "). Every runtime "
+                     "here is fed the loaded tokenizer's ids; a server that reads `tokenizer.json` sees others.")
+    elif folder.get("texts"):
+        items.append(f"Tokenizer: `{folder['loaded']}` as loaded by transformers splits all {folder['texts']} "
+                     "suite texts as the folder's own `tokenizer.json` does.")
     repair = m.get("tokenizer_repair")
     if repair:
         items.append(f"Tokenizer repaired at prepare: transformers rebuilt this GGUF's tokenizer with a plain "

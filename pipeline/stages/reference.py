@@ -114,6 +114,22 @@ def tokenizer_divergence(texts_by_suite: dict[str, list[str]], renderer: ChatRen
     return out
 
 
+def folder_tokenizer_divergence(checkpoint: Path, renderer: ChatRenderer, texts: dict[str, list[str]]) -> dict:
+    """Whether the tokenizer transformers loads for the original (``AutoTokenizer``: its class follows the
+    config's model_type and can differ from the folder's) splits the suites' texts as the folder's own
+    ``tokenizer.json`` does, which is what a server reading that file applies. Reported, never blocking: every
+    runtime here is fed the loaded tokenizer's ids."""
+    path = Path(checkpoint) / "tokenizer.json"
+    loaded = type(renderer.tok).__name__
+    if not path.is_file():
+        return {"skipped": "the folder has no tokenizer.json", "loaded": loaded}
+    from tokenizers import Tokenizer
+
+    own = Tokenizer.from_file(str(path))
+    out = tokenizer_divergence(texts, renderer, lambda text: own.encode(text, add_special_tokens=False).ids)
+    return {"loaded": loaded, **out}
+
+
 def check_parity(cfg: Config, original: Original, f16_path: Path, f16_hash: str, renderer: ChatRenderer,
                  suites: dict[str, list[Conversation]]) -> dict:
     """The F16 GGUF's KLD against the original on the same ids (a broken conversion stops the GGUF variants), and

@@ -101,6 +101,15 @@ def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict
                         "tokenizer (%d of %d tokens); every runtime is fed the HF ids, and the deployment path "
                         "measures what a server tokenizing text itself would do", tok["gguf_pre_tokenizer"],
                         tok["diverging_texts"], tok["texts"], tok["diverging_tokens"], tok["hf_tokens"])
+    from pipeline.stages.reference import folder_tokenizer_divergence, parity_texts
+
+    folder = folder_tokenizer_divergence(original.checkpoint, renderer,
+                                         {name: parity_texts(convs, renderer) for name, convs in suites.items()})
+    if folder.get("diverging_texts"):
+        log.warning("transformers loaded %s for %s, which splits %d of %d suite texts differently from the "
+                    "folder's own tokenizer.json (what a server reading that file applies)", folder["loaded"],
+                    original.checkpoint, folder["diverging_texts"], folder["texts"])
+    parity = {**(parity or {}), "folder_tokenizer": folder}
     use_gguf = cfg.reference.runtime == "gguf_f16" or (cfg.reference.runtime == "auto" and parity and parity.get("ok"))
     if cfg.reference.runtime == "gguf_f16" and not (parity and parity.get("ok")):
         raise ConfigError("reference.runtime=gguf_f16 needs a passing F16 parity check: " + str(parity))
