@@ -36,7 +36,8 @@ def build_summary(cfg: Config) -> dict:
     speed_run = measure_speed(cfg, results)
     speed_noise = noise_floor(speed_run, cfg.decision.alpha)
     trials = (speed_run or {}).get("trials") or {}
-    variants = {name: variant_summary(r, bandwidth, cfg.decision.degeneration, cfg.seed, trials.get(name))
+    variants = {name: variant_summary(r, bandwidth, cfg.decision.degeneration, cfg.seed, trials.get(name),
+                                     cfg.capacity.context_tokens)
                 for name, r in results.items()}
     ok = [r for r in results.values() if r.get("status") == "ok"]
     first = ok[0] if ok else {}

@@ -216,11 +216,13 @@ def deployment_figures(deployment: dict | None, samples: list[dict], served: lis
 
 
 def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: dict | None = None,
-                    seed: int = 0, trials: list[dict] | None = None) -> dict:
+                    seed: int = 0, trials: list[dict] | None = None, kv_context: int | None = None) -> dict:
     """The summary.json entry for one variant, from its result file, its evaluation directory and its speed
     trials (``pipeline.stages.speed``: one per round; None when the speed stage has not run). A result written
     under another summary schema is reported as skipped (rerunning the comparison recomputes it: the evaluation
-    stage's key holds the schema version), never read with the wrong layout."""
+    stage's key holds the schema version), never read with the wrong layout. ``kv_context``: the context the KV
+    bytes per token are stated at (the capacity plan's; sliding-window layers cost less per token beyond their
+    window)."""
     if result["status"] == "ok" and result.get("schema_version", 1) != SCHEMA_VERSION:
         return {"status": "skipped", "runtime": result.get("runtime"), "description": result.get("description"),
                 "reason": f"evaluated under summary schema {result.get('schema_version', 1)}, this is schema "
@@ -245,10 +247,13 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
     info = result["evaluation"].get("runtime_info") or timing["runtime_info"] or {}
     info_a = result["artifact"]["info"]
     runtime = runtime_class(result["runtime"])
-    formula = kv_bytes_per_token_formula(facts, runtime.cache_element_bytes(info, facts["head_dim"]))
+    element = runtime.cache_element_bytes(info, facts["head_dim"])
+    formula = kv_bytes_per_token_formula(facts, element, kv_context, result["runtime"])
     kv = timing["kv_reported"]
     reported = kv_reported_per_token(kv)
-    gap = abs(reported - formula) / formula if reported else None
+    # the runtime reports what it allocated for its own context (n_ctx cells), so the formula is checked there
+    at_runtime = kv_bytes_per_token_formula(facts, element, info.get("n_ctx") or kv_context, result["runtime"])
+    gap = abs(reported - at_runtime) / at_runtime if reported else None
     memory = {
         "artifact_bytes": result["artifact"]["bytes"],
         "peak_rss_mb": speed.get("peak_rss_mb"),

@@ -86,7 +86,7 @@ def plan_variant(cfg, name: str, original, depths: list[int], budget_mb: float) 
     artifact = build_artifact(variant, original, dataclasses.replace(cfg, variant=variant))
     served = engine.plan(cfg, variant, artifact, original.facts["head_dim"])
     ctx_per_slot = max(depths) + output_tokens(cfg) + lc.ctx_margin
-    kv_tok = kv_bytes_per_token_formula(original.facts, served["kv_element_bytes"])
+    kv_tok = kv_bytes_per_token_formula(original.facts, served["kv_element_bytes"], ctx_per_slot, variant.runtime)
     fits = sequences_that_fit(budget_mb * 2**20, cfg.capacity.headroom, served["weight_bytes"], kv_tok, ctx_per_slot)
     levels, _ = levels_within(lc.concurrency, fits)
     path = Path(served["served"])

@@ -1,0 +1,68 @@
+"""KV-cache bytes from the architecture: sliding-window layers (Mistral; Gemma 2/3 interleave them with global
+ones) keep at most their window, latent attention (DeepSeek V2/V3) keeps a compressed latent on llama.cpp,
+linear-attention layers of hybrid models keep nothing per token. The layouts come from transformers' own
+configs of each family."""
+
+import pytest
+
+from pipeline.measure.capacity import kv_bytes_per_token_formula
+from pipeline.stages.prepare import kv_layout
+
+
+def facts(cfg) -> dict:
+    heads = cfg.num_attention_heads
+    return {"layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "attention_heads": heads,
+            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, "kv_layout": kv_layout(cfg)}
+
+
+def test_llama_counts_every_layer_in_full():
+    from transformers import LlamaConfig
+
+    f = facts(LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096))
+    assert f["kv_layout"]["layer_kinds"] == {"full": 32, "window": 0, "none": 0}
+    assert kv_bytes_per_token_formula(f, 2, 32768) == 2 * 32 * 8 * 128 * 2      # 128 KiB, Llama 3 8B
+
+
+def test_mistral_sliding_window_caps_every_layer():
+    from transformers import MistralConfig
+
+    f = facts(MistralConfig(sliding_window=4096))
+    full = 2 * 32 * 8 * 128 * 2
+    assert f["kv_layout"] == {"layer_kinds": {"full": 0, "window": 32, "none": 0}, "window_tokens": 4096, "mla": None}
+    assert kv_bytes_per_token_formula(f, 2, 2048) == full                          # inside the window
+    assert kv_bytes_per_token_formula(f, 2, 32768) == pytest.approx(full / 8)     # 4096 of 32768 tokens kept
+    assert kv_bytes_per_token_formula(f, 2) == full                                # no context: the bound
+
+
+def test_gemma2_interleaves_local_and_global_layers():
+    from transformers import Gemma2Config
+
+    cfg = Gemma2Config(num_hidden_layers=26, sliding_window=4096, num_key_value_heads=4, head_dim=256)
+    f = facts(cfg)
+    assert f["kv_layout"]["layer_kinds"] == {"full": 13, "window": 13, "none": 0}
+    per_layer = 2 * 4 * 256 * 2
+    assert kv_bytes_per_token_formula(f, 2, 8192) == pytest.approx(per_layer * (13 + 13 * 0.5))
+
+
+def test_deepseek_v2_latent_attention_depends_on_the_runtime():
+    from transformers import DeepseekV2Config
+
+    cfg = DeepseekV2Config(num_hidden_layers=27, num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
+                           qk_nope_head_dim=128, v_head_dim=128)
+    f = facts(cfg)
+    assert kv_bytes_per_token_formula(f, 2, 4096, "llamacpp") == 27 * (512 + 64) * 2
+    assert kv_bytes_per_token_formula(f, 2, 4096, "hf") == 27 * 16 * (128 + 64 + 128) * 2
+
+
+def test_hybrid_linear_attention_layers_keep_nothing_per_token():
+    from transformers import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(num_hidden_layers=48)
+    f = facts(cfg)
+    kinds = f["kv_layout"]["layer_kinds"]
+    assert kinds == {"full": 12, "window": 0, "none": 36}
+    assert kv_bytes_per_token_formula(f, 2, 4096) == 12 * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+
+
+def test_facts_from_before_the_layout_count_every_layer():
+    assert kv_bytes_per_token_formula({"layers": 30, "kv_heads": 3, "head_dim": 64}, 2, 4096) == 2 * 30 * 3 * 64 * 2
