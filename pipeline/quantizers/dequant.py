@@ -79,7 +79,9 @@ def compressed_tensors_state_dict(folder: Path, config: dict) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, device_map="cpu",
                                                  quantization_config=CompressedTensorsConfig(dequantize=True))
-    state = {k: v.detach().to(torch.float32).clone() for k, v in model.state_dict().items()}
+    # the model's own tensors (no clone: one copy of the weights in memory), contiguous for safetensors
+    state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
+    del model
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)       # the embedding, shared
     leftover = [k for k in state if k.rsplit(".", 1)[-1] not in ("weight", "bias")]
