@@ -37,11 +37,11 @@ def tool(name: str, configured: str = "") -> Path:
 # `make llama-tools` builds llama.cpp as llama.cpp's own releases are built: GGML_BACKEND_DL with
 # GGML_CPU_ALL_VARIANTS, one libggml-cpu-VARIANT.so per x86 level (haswell, skylakex, icelake, zen4, ...), of which
 # ggml loads the best this CPU advertises. On an AVX-512 EPYC that is 1.1-1.2x decode and 1.2-1.5x prefill over
-# the wheel's AVX2 baseline (README, "Fidelity against llama.cpp's own tools"). ggml scores a variant by CPUID alone, so a machine that
-# advertises what its OS does not grant (AMX on one VM here) would load kernels that die with SIGILL: the build
-# runs each chosen variant once and removes the ones that die (prune_cpu_variants). The pipeline's llama.cpp
-# runtime then loads the same libraries (use_tool_libraries), so the pipeline and the tools it is checked against
-# run the same kernels.
+# the wheel's AVX2 baseline (docs/measurements.md, "The llama.cpp build"). ggml scores a variant by CPUID alone, so
+# a machine that advertises what its OS does not grant (AMX on one VM here) would load kernels that die with
+# SIGILL: the build runs each chosen variant once and removes the ones that die (prune_cpu_variants). The
+# pipeline's llama.cpp runtime then loads the same libraries (use_tool_libraries), so the pipeline and the tools it
+# is checked against run the same kernels.
 
 CPU_MODULE = "libggml-cpu-"
 _LOADED = re.compile(r"loaded CPU backend from (\S+)")
