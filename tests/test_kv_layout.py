@@ -50,8 +50,8 @@ def test_deepseek_v2_latent_attention_depends_on_the_runtime():
     cfg = DeepseekV2Config(num_hidden_layers=27, num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
                            qk_nope_head_dim=128, v_head_dim=128)
     f = facts(cfg)
-    assert kv_bytes_per_token_formula(f, 2, 4096, "llamacpp") == 27 * (512 + 64) * 2
-    assert kv_bytes_per_token_formula(f, 2, 4096, "hf") == 27 * 16 * (128 + 64 + 128) * 2
+    assert kv_bytes_per_token_formula(f, 2, 4096, latent=True) == 27 * (512 + 64) * 2
+    assert kv_bytes_per_token_formula(f, 2, 4096, latent=False) == 27 * 16 * (128 + 64 + 128) * 2
 
 
 def test_hybrid_linear_attention_layers_keep_nothing_per_token():

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 
 
-def kv_elements_per_layer_token(facts: dict, runtime: str | None = None) -> float:
+def kv_elements_per_layer_token(facts: dict, latent: bool = False) -> float:
     """KV-cache elements one attention layer keeps per token: 2 (K and V) x kv_heads x head_dim; with latent
-    attention (DeepSeek V2/V3) llama.cpp keeps the compressed latent and the rope key (kv_lora_rank +
+    attention (DeepSeek V2/V3) a runtime with ``latent_kv_cache`` (llama.cpp) keeps the compressed latent and the rope key (kv_lora_rank +
     qk_rope_head_dim), transformers the full per-head keys and values."""
     mla = (facts.get("kv_layout") or {}).get("mla")
     if mla:
-        if runtime == "llamacpp":
+        if latent:
             return mla["kv_lora_rank"] + mla["qk_rope_head_dim"]
         return facts["attention_heads"] * (mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"] + mla["v_head_dim"])
     return 2 * facts["kv_heads"] * facts["head_dim"]
 
 
 def kv_bytes_per_token_formula(facts: dict, element_bytes: float, context: int | None = None,
-                               runtime: str | None = None) -> float:
+                               latent: bool = False) -> float:
     """KV-cache bytes per token of a sequence of ``context`` tokens, from the architecture: every full-attention
     layer keeps each token, a sliding-window layer at most its window (so per token it costs window / context
     beyond the window; None: counted in full, the bound at a short context), a linear-attention or state-space
@@ -29,7 +29,7 @@ def kv_bytes_per_token_formula(facts: dict, element_bytes: float, context: int |
     window = layout.get("window_tokens")
     share = min(1.0, window / context) if (window and context) else 1.0
     layers = kinds["full"] + kinds["window"] * share
-    return layers * kv_elements_per_layer_token(facts, runtime) * element_bytes
+    return layers * kv_elements_per_layer_token(facts, latent) * element_bytes
 
 
 def sequences_that_fit(budget_bytes: float, headroom: float, weights_bytes: float, kv_bytes_per_token: float,
@@ -50,7 +50,7 @@ def kv_reported_per_token(kv: dict | None) -> float | None:
     return kv["bytes"] / kv["tokens"] if kv.get("tokens") else None
 
 
-def capacity_plan(v: dict, facts: dict, cap) -> dict:
+def capacity_plan(v: dict, facts: dict, cap, latent: bool = False) -> dict:
     """Concurrent sequences of cap.context_tokens that fit each budget, for this model and (with params_b) for
     a published model of that size: floor((budget x (1 - headroom) - weights - overhead) / (KV/token x context)).
 
@@ -67,7 +67,7 @@ def capacity_plan(v: dict, facts: dict, cap) -> dict:
     on_device = device.get("peak_mb") is not None
     peak_mb = device["peak_mb"] if on_device else (mem["peak_rss_mb"] or 0.0)
     overhead = max(0.0, peak_mb * 2**20 - weights - probe_kv)
-    element = kv_tok / kv_bytes_per_token_formula(facts, 1.0, cap.context_tokens, v.get("runtime"))
+    element = kv_tok / kv_bytes_per_token_formula(facts, 1.0, cap.context_tokens, latent)
 
     def fits(budget_gb: float, w: float, per_tok: float) -> int:
         return sequences_that_fit(budget_gb * 1e9, cap.headroom, w, per_tok, cap.context_tokens, overhead)

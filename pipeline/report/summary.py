@@ -9,6 +9,7 @@ import time
 from pipeline.config.summary_contract import SCHEMA_VERSION
 from pipeline.measure.capacity import capacity_plan
 from pipeline.report.variant_summary import imatrix_effects, variant_summary
+from pipeline.runtimes import runtime_class
 from pipeline.measure.calibration_sweep import load_sweep
 from pipeline.stages.load import attach_load
 from pipeline.stages.load import load_sweep as load_load
@@ -44,7 +45,8 @@ def build_summary(cfg: Config) -> dict:
     facts = (first.get("model") or {}).get("facts", {})
     for v in variants.values():
         if v["status"] == "ok" and not v.get("no_native_kernel"):
-            v["capacity"] = capacity_plan(v, facts, cfg.capacity)
+            latent = runtime_class(v["runtime"]).latent_kv_cache
+            v["capacity"] = capacity_plan(v, facts, cfg.capacity, latent)
     adjust_flip_tests(variants, cfg.decision.multiple_comparisons)
     load_sweep_ = load_load(cfg)
     attach_load(variants, load_sweep_)

@@ -248,11 +248,11 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
     info_a = result["artifact"]["info"]
     runtime = runtime_class(result["runtime"])
     element = runtime.cache_element_bytes(info, facts["head_dim"])
-    formula = kv_bytes_per_token_formula(facts, element, kv_context, result["runtime"])
+    formula = kv_bytes_per_token_formula(facts, element, kv_context, runtime.latent_kv_cache)
     kv = timing["kv_reported"]
     reported = kv_reported_per_token(kv)
     # the runtime reports what it allocated for its own context (n_ctx cells), so the formula is checked there
-    at_runtime = kv_bytes_per_token_formula(facts, element, info.get("n_ctx") or kv_context, result["runtime"])
+    at_runtime = kv_bytes_per_token_formula(facts, element, info.get("n_ctx") or kv_context, runtime.latent_kv_cache)
     gap = abs(reported - at_runtime) / at_runtime if reported else None
     memory = {
         "artifact_bytes": result["artifact"]["bytes"],

@@ -248,6 +248,8 @@ class Runtime(abc.ABC):
 
     # True when ``generate_many`` decodes several sequences in one batch (else it runs them one after another).
     batched: bool = False
+    # keeps latent attention's compressed latent (kv_lora_rank + rope dims) rather than per-head keys and values
+    latent_kv_cache: bool = False
 
     def generate_many(self, requests: Sequence[tuple[int, Sequence[int], int]], stop_ids: Sequence[int],
                       slots: int = 1) -> list[Generation]:

@@ -210,6 +210,7 @@ class LlamaCppRuntime(FullLogitsRuntime):
                           ttft_s=ttft, decode_times_s=times)
 
     batched = True
+    latent_kv_cache = True       # llama.cpp's DeepSeek V2/V3 graph caches the MLA latent
 
     def _slots_context(self, slots: int, per_seq_ctx: int):
         """A second context over the same weights holding ``slots`` sequences of up to ``per_seq_ctx`` cells each:

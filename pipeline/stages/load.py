@@ -72,6 +72,7 @@ def plan_variant(cfg, name: str, original, depths: list[int], budget_mb: float) 
     served. Raises Skip or ConfigError with the reason where nothing serves it (its runtime is not in
     ``load.runtimes``, no engine for it, no artifact)."""
     from pipeline.measure.capacity import kv_bytes_per_token_formula
+    from pipeline.runtimes import runtime_class
     from pipeline.config.compose import variant_of
     from pipeline.servers import engine_class
     from pipeline.stages.quantize import build_artifact
@@ -86,7 +87,8 @@ def plan_variant(cfg, name: str, original, depths: list[int], budget_mb: float) 
     artifact = build_artifact(variant, original, dataclasses.replace(cfg, variant=variant))
     served = engine.plan(cfg, variant, artifact, original.facts["head_dim"])
     ctx_per_slot = max(depths) + output_tokens(cfg) + lc.ctx_margin
-    kv_tok = kv_bytes_per_token_formula(original.facts, served["kv_element_bytes"], ctx_per_slot, variant.runtime)
+    kv_tok = kv_bytes_per_token_formula(original.facts, served["kv_element_bytes"], ctx_per_slot,
+                                         runtime_class(variant.runtime).latent_kv_cache)
     fits = sequences_that_fit(budget_mb * 2**20, cfg.capacity.headroom, served["weight_bytes"], kv_tok, ctx_per_slot)
     levels, _ = levels_within(lc.concurrency, fits)
     path = Path(served["served"])
