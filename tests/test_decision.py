@@ -212,6 +212,14 @@ def test_a_difference_inside_the_aa_floor_is_a_tie_and_a_noisy_aa_pair_ranks_not
     assert rec["steps"][0]["status"] == "too noisy" and "too noisy to rank" in rec["summary"]
     assert rec["variant"] == "close"     # memory ties (no trials, equal), then drift decides
     assert "decode tok/s not ranked: this run's A/A pair differs" in rec["reasons"]["far"]
+    # a difference the test finds but whose whole interval is within the tie tolerance (two processes of one
+    # variant 0.6 % apart in resident memory every round) is not noise: the step ranks
+    tiny = {"control": "best", "figures": {"decode_tokens_per_s": {"ratio": 0.994, "low": 0.992, "high": 0.996,
+                                                                     "rounds": 10, "p": 0.002, "tied": False,
+                                                                     "floor": 0.008}}}
+    rec = decide(variants, DecisionConfig(tie_tolerance=0.05), tiny)
+    assert rec["steps"][0]["status"] == "ranked" and rec["steps"][0]["behind"] == ["close", "far"]
+    assert decide(variants, DecisionConfig(tie_tolerance=0.0), tiny)["steps"][0]["status"] == "too noisy"
 
 
 def test_a_significant_drop_of_checks_at_conversation_level_fails():

@@ -5,7 +5,10 @@ The objective ranks in steps (``FALLBACKS``: decode speed, then memory, then dri
 on a figure measured in interleaved trials (decode tok/s, peak memory) ranks only outside this run's noise:
 
 - the run's A/A pair (the control variant measured twice per round) must itself tie on that figure, else the run is
-  too noisy to rank on it and the step is skipped, saying so;
+  too noisy to rank on it and the step is skipped, saying so; an A/A difference that the test finds but whose whole
+  interval lies within ``decision.tie_tolerance`` (two processes of one variant that differ by a fraction of a per
+  cent in resident memory, every round) is a negligible systematic effect, not noise: the step ranks, with the
+  tolerance as its floor;
 - a variant ties the step's best unless the paired sign-flip test over the trials finds it worse after the
   family-wise correction across the variants compared (``decision.multiple_comparisons``) *and* it differs by more
   than the A/A floor (the A/A ratio's largest distance from 1) and ``decision.tie_tolerance``.
@@ -30,6 +33,13 @@ FALLBACKS = {"decode_speed": ("decode_speed", "memory", "drift"), "memory": ("me
              "size": ("size", "drift"), "throughput_at_slo": ("throughput_at_slo", "drift")}
 TRIAL_OBJECTIVES = ("decode_speed", "memory")     # measured in interleaved trials, judged against the A/A floor
 
+
+
+def aa_negligible(aa: dict, tolerance: float) -> bool:
+    """The A/A pair differs, but its whole interval lies within ``tolerance`` of 1: a systematic difference too
+    small to matter, which the ranking's floor (at least the tolerance) already absorbs."""
+    return bool(tolerance > 0 and aa.get("low") is not None and aa.get("high") is not None
+                and 1 - tolerance <= aa["low"] and aa["high"] <= 1 + tolerance)
 
 def peak_memory_mb(v: dict) -> float | None:
     """The memory a variant needs where it runs: its device peak on a GPU, else the host's peak RSS."""
@@ -140,7 +150,7 @@ def rank_step(ok: dict[str, dict], names: list[str], objective: str, d: Decision
     if objective in TRIAL_OBJECTIVES:
         aa = ((noise or {}).get("figures") or {}).get(_trial_metric(ok[eligible[0]], objective))
         step["aa"] = aa
-        if aa and not aa["tied"]:
+        if aa and not aa["tied"] and not aa_negligible(aa, d.tie_tolerance):
             return {**step, "status": "too noisy", "lead": None, "tied": list(names), "behind": [],
                     "why": (f"{step['label']} not ranked: this run's A/A pair differs ({aa['ratio']:.2f}× "
                             f"[{aa['low']:.2f}, {aa['high']:.2f}], sign-flip p={aa['p']:.3f} < {d.alpha}), so the "

@@ -32,11 +32,17 @@ def _aa_table(summary: dict) -> tuple | None:
     noise = summary.get("speed_noise") or {}
     if not noise.get("figures"):
         return None
+    from pipeline.decide.recommendation import aa_negligible
+
+    tolerance = (summary.get("decision_config") or {}).get("tie_tolerance") or 0.0
     rows = []
     for k, x in noise["figures"].items():
         label = BY_NAME[k].label if k in BY_NAME else k
+        verdict = ("tied" if x["tied"] else
+                   f"differs, within the ±{tolerance:.0%} tie tolerance: ranks" if aa_negligible(x, tolerance) else
+                   "NOT tied: too noisy to rank on it")
         rows.append([label, f"{x['ratio']:.2f}× [{x['low']:.2f}, {x['high']:.2f}]", str(x["rounds"]),
-                     f"{x['p']:.3f}", "tied" if x["tied"] else "NOT tied: too noisy to rank on it",
+                     f"{x['p']:.3f}", verdict,
                      f"±{x['floor']:.0%}"])
     return (["figure", f"{noise['control']} against itself [interval]", "rounds", "sign-flip p", "A/A verdict",
              "floor"], rows)

@@ -55,13 +55,21 @@ def _speed_noise_block(summary: dict) -> list:
            "median over trials [95 % interval from order statistics]; prefill (TTFT, compute-bound) and decode "
            "(memory-bound) separately. Two variants tie on speed unless a paired sign-flip permutation test over "
            "the rounds finds a difference at a family-wise adjusted p < `decision.alpha` and the difference exceeds "
-           "the run's A/A floor (and `decision.tie_tolerance`); a figure whose A/A pair is not tied ranks nothing."]
+           "the run's A/A floor (and `decision.tie_tolerance`); a figure whose A/A pair is not tied ranks nothing, "
+           "unless the A/A interval lies within the tie tolerance."]
     if noise and noise.get("figures"):
+        from pipeline.decide.recommendation import aa_negligible
+
+        tol = (summary.get("decision_config") or {}).get("tie_tolerance") or 0.0
         f = noise["figures"]
+        def verdict(x: dict) -> str:
+            if x["tied"]:
+                return "tied"
+            return "NOT tied: " + ("within the tie tolerance" if aa_negligible(x, tol)
+                                   else "this run is too noisy to compare speeds")
+
         cells = [f"{BY_NAME[k].label if k in BY_NAME else k} ×{x['ratio']:.3f} [{x['low']:.3f}, {x['high']:.3f}], "
-                 f"p={x['p']:.2f}"
-                 f" ({'tied' if x['tied'] else 'NOT tied: this run is too noisy to compare speeds'})"
-                 for k, x in f.items()]
+                 f"p={x['p']:.2f} ({verdict(x)})" for k, x in f.items()]
         floor = f.get("decode_tokens_per_s", {}).get("floor")
         out.append(f"Noise floor (A/A): `{noise['control']}` measured twice per round under two labels: "
                    + "; ".join(cells) + "." + (f" Decode-speed differences under ±{floor:.0%} are inside this "
