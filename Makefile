@@ -18,6 +18,7 @@ LLAMA_CPP_SRC := $(CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)
 # `make compare` records its MODEL and VARIANTS in artifacts/.runs/); with runs of several models they ask for
 # MODEL=. VARIANTS then defaults to the variants that model was compared with.
 RUN_RECORDS := $(sort $(wildcard artifacts/.runs/*.mk))
+RUN_RECORD = artifacts/.runs/$(shell printf '%s' '$(MODEL)' | sha1sum | cut -c1-8).mk
 ifneq ($(filter report promote nightly,$(MAKECMDGOALS)),)
   ifeq ($(origin MODEL),undefined)
     ifeq ($(words $(RUN_RECORDS)),1)
@@ -26,7 +27,6 @@ ifneq ($(filter report promote nightly,$(MAKECMDGOALS)),)
       $(error runs of several models exist here ($(foreach r,$(RUN_RECORDS),$(shell sed -n 's/^MODEL := //p' $(r)))): pass MODEL=... to make $(filter report promote nightly,$(MAKECMDGOALS)))
     endif
   else ifeq ($(origin VARIANTS),undefined)
-    RUN_RECORD := artifacts/.runs/$(shell printf '%s' '$(MODEL)' | sha1sum | cut -c1-8).mk
     ifneq ($(wildcard $(RUN_RECORD)),)
       include $(RUN_RECORD)
     endif
@@ -194,8 +194,7 @@ LOAD_CMD = $(VENV)/bin/quantdrift command=load run.variants=[$(VARIANTS)] bench.
 compare-deps: setup llama-tools $(if $(strip $(LLMC_VARIANTS)),llmc-env)
 
 compare: compare-deps
-	@mkdir -p artifacts/.runs && printf 'MODEL := %s\nVARIANTS := %s\n' '$(MODEL)' '$(VARIANTS)' \
-	  > artifacts/.runs/$$(printf '%s' '$(MODEL)' | sha1sum | cut -c1-8).mk
+	@mkdir -p artifacts/.runs && printf 'MODEL := %s\nVARIANTS := %s\n' '$(MODEL)' '$(VARIANTS)' > $(RUN_RECORD)
 	$(VENV)/bin/quantdrift -m variant=$(VARIANTS) $(COMMON)
 	$(LOAD_CMD) load=$(COMPARE_LOAD) $(COMMON) $(LOAD_ARGS)
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)

@@ -146,7 +146,7 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
     # speed as a ratio to a control measured in the same rounds: compared whenever the control and the hardware
     # are unchanged, even when other libraries changed (that is the regression the gate is for)
     control = speed_control.plan(new, base, cfg_regress)
-    relative = set(speed_control.speed_metrics()) if control["applies"] else set()
+    relative = set(control["tolerances"]) if control["applies"] else set()
     judged = [m.name for m in catalogue.METRICS if m.better]
     metrics = judged if (same_env or cfg_regress.compare_all) else [
         m for m in judged if catalogue.BY_NAME[m].hardware_independent or m in relative]
@@ -177,7 +177,7 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
                        + (f" ({d['new']:.4g} vs {d['base']:.4g}, {d['change']:+.0%})" if d else ""))
                 cases.append({"variant": name, "metric": metric, "regressed": False, "message": msg})
                 continue
-            if metric in relative and metric in control["tolerances"]:
+            if metric in relative:
                 bad, msg = speed_control.compare(metric, name, new, base, control["control"],
                                                  control["tolerances"][metric])
             else:
@@ -185,7 +185,6 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
             cases.append({"variant": name, "metric": metric, "regressed": bad, "message": msg})
     skipped = [m for m in (cfg_regress.tolerances or {}) if m in judged and m not in metrics]
     return {"cases": cases, "regressions": sum(c["regressed"] for c in cases), "environment": env_note,
-            "bandwidth": new.get("bandwidth"), "baseline_bandwidth": base.get("bandwidth"),
             "same_environment": same_env, "decoding": dec_note, "same_decoding": same_dec,
             "checks": checks_note, "same_checks": same_checks,
             "speed_control": control, "control_relative": sorted(relative),
@@ -228,7 +227,7 @@ def diff_markdown(result: dict, new_path: Path, base_path: Path) -> str:
         lines.append(("Speed: judged as a ratio to the control measured in the same interleaved rounds ("
                       f"{control['note']})." if result.get("control_relative") else
                       f"Speed: judged on absolute figures ({control['note']})."))
-        lines += speed_control.drift_lines(control, result.get("baseline_bandwidth"), result.get("bandwidth"))
+        lines += speed_control.drift_lines(control)
     lines += ["", "| variant | metric | result | detail |", "|---|---|---|---|"]
     for c in sorted(result["cases"], key=lambda c: (not c["regressed"], c["variant"], c["metric"])):
         lines.append(f"| {c['variant']} | {c['metric']} | {'**REGRESSED**' if c['regressed'] else 'ok'} | "

@@ -34,12 +34,12 @@ FALLBACKS = {"decode_speed": ("decode_speed", "memory", "drift"), "memory": ("me
 TRIAL_OBJECTIVES = ("decode_speed", "memory")     # measured in interleaved trials, judged against the A/A floor
 
 
-
 def aa_negligible(aa: dict, tolerance: float) -> bool:
     """The A/A pair differs, but its whole interval lies within ``tolerance`` of 1: a systematic difference too
     small to matter, which the ranking's floor (at least the tolerance) already absorbs."""
     return bool(tolerance > 0 and aa.get("low") is not None and aa.get("high") is not None
                 and 1 - tolerance <= aa["low"] and aa["high"] <= 1 + tolerance)
+
 
 def peak_memory_mb(v: dict) -> float | None:
     """The memory a variant needs where it runs: its device peak on a GPU, else the host's peak RSS."""

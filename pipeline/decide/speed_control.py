@@ -69,12 +69,16 @@ def control_unchanged(new: dict, base: dict, control: str) -> tuple[bool, str]:
     return True, f"the control `{control}` is unchanged since the baseline"
 
 
+def _trials(summary: dict, variant: str, metric: str) -> list:
+    """The variant's per-round values of one speed figure (None for a failed round), [] when it has none."""
+    return ((((summary["variants"].get(variant) or {}).get("speed_trials") or {}).get("values") or {})
+            .get(metric) or [])
+
+
 def relative(summary: dict, variant: str, control: str, metric: str) -> dict | None:
     """The variant's figure over the control's, round by round (the same interleaved round), with its median and
     order-statistic interval. None when either has no trials of that figure."""
-    tv = ((summary["variants"].get(variant) or {}).get("speed_trials") or {}).get("values") or {}
-    tc = ((summary["variants"].get(control) or {}).get("speed_trials") or {}).get("values") or {}
-    ratios = [a / b for a, b in zip(tv.get(metric) or [], tc.get(metric) or [])
+    ratios = [a / b for a, b in zip(_trials(summary, variant, metric), _trials(summary, control, metric))
               if a is not None and b is not None and a > 0 and b > 0]
     return median_interval(ratios)
 
@@ -95,31 +99,28 @@ def tolerance(new: dict, base: dict, metric: str, minimum: float) -> float | Non
 
 def plan(new: dict, base: dict, cfg_regress) -> dict:
     """Whether the speed figures are judged against the control, and with what: {"applies", "note", "control",
-    "tolerances" {metric: relative tolerance}, "drift" {metric: {new, base, change}}}."""
-    out = {"applies": False, "control": None, "tolerances": {}, "drift": {}, "note": ""}
-    if not getattr(cfg_regress, "control_relative", True):
+    "tolerances" {metric: relative tolerance}, "drift" {metric: {new, base, change}}, "bandwidth" {new, base}}."""
+    out = {"applies": False, "control": None, "tolerances": {}, "drift": {}, "note": "",
+           "bandwidth": {"new": new.get("bandwidth"), "base": base.get("bandwidth")}}
+    if not cfg_regress.control_relative:
         out["note"] = "the control-relative speed check is off (regress.control_relative=false)"
         return out
-    control = control_name(new, getattr(cfg_regress, "control", "") or "")
-    base_control = control_name(base, getattr(cfg_regress, "control", "") or "")
+    control, base_control = control_name(new, cfg_regress.control), control_name(base, cfg_regress.control)
     if not control:
         out["note"] = "this run measured no A/A control (profile.speed.aa=false) and regress.control is unset"
         return out
     out["control"] = control
-    if base_control != control and not getattr(cfg_regress, "control", ""):
+    if base_control != control:
         out["note"] = f"the baseline's control is `{base_control}`, this run's `{control}`"
         return out
     same_hw, hw_note = hardware_matches(new, base)
     same_ctl, ctl_note = control_unchanged(new, base, control)
     for metric in speed_metrics():
-        a = median_interval(((new["variants"].get(control) or {}).get("speed_trials") or {})
-                            .get("values", {}).get(metric) or [])
-        b = median_interval(((base["variants"].get(control) or {}).get("speed_trials") or {})
-                            .get("values", {}).get(metric) or [])
+        a, b = median_interval(_trials(new, control, metric)), median_interval(_trials(base, control, metric))
         if a and b and b["estimate"]:
             out["drift"][metric] = {"new": a["estimate"], "base": b["estimate"],
                                     "change": a["estimate"] / b["estimate"] - 1}
-        tol = tolerance(new, base, metric, getattr(cfg_regress, "control_min_tolerance", 0.05))
+        tol = tolerance(new, base, metric, cfg_regress.control_min_tolerance)
         if tol is not None:
             out["tolerances"][metric] = tol
     if not same_hw or not same_ctl:
@@ -149,7 +150,7 @@ def compare(metric: str, variant: str, new: dict, base: dict, control: str, tol:
                  "(both runs' A/A floors)")
 
 
-def drift_lines(p: dict, base_bandwidth: dict | None, new_bandwidth: dict | None) -> list[str]:
+def drift_lines(p: dict) -> list[str]:
     """The machine drift and the gate's power, for the diff."""
     lines = []
     ctl = p.get("control")
@@ -157,6 +158,7 @@ def drift_lines(p: dict, base_bandwidth: dict | None, new_bandwidth: dict | None
     if ctl and d:
         word = "slower" if d["change"] < 0 else "faster"
         bw = ""
+        new_bandwidth, base_bandwidth = p["bandwidth"]["new"], p["bandwidth"]["base"]
         if (base_bandwidth or {}).get("bytes_per_s") and (new_bandwidth or {}).get("bytes_per_s"):
             bw = (f"; memory bandwidth probe {new_bandwidth['bytes_per_s'] / 1e9:.1f} vs "
                   f"{base_bandwidth['bytes_per_s'] / 1e9:.1f} GB/s")

@@ -131,12 +131,11 @@ def folder_tokenizer_divergence(checkpoint: Path, renderer: ChatRenderer, texts:
 
 
 def check_parity(cfg: Config, original: Original, f16_path: Path, f16_hash: str, renderer: ChatRenderer,
-                 suites: dict[str, list[Conversation]]) -> dict:
+                 texts: dict[str, list[str]]) -> dict:
     """The F16 GGUF's KLD against the original on the same ids (a broken conversion stops the GGUF variants), and
     the GGUF tokenizer's divergence from the HF tokenizer on every suite text (reported, never blocking: every
     runtime is fed the HF ids, so drift stays on one token stream; the deployment path measures what the
     divergence costs a user whose server tokenizes text). Cached per inputs."""
-    texts = {name: parity_texts(convs, renderer) for name, convs in suites.items()}
     out_dir = cfg.model_dir / "parity"
     key = {"original": original.hash, "f16": f16_hash, "texts": stable_hash(texts), "version": PARITY_VERSION,
            "tokens": cfg.reference.parity_tokens, "flash_attn": cfg.runtime.flash_attn}

@@ -78,8 +78,11 @@ def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict
     """Parity checks, then the reference transcripts. Returns (references, producer, parity)."""
     from pipeline.infra.errors import Skip
     from pipeline.stages.quantize import build_artifact
-    from pipeline.stages.reference import build_reference, check_parity, f16_variant, parity_error
+    from pipeline.stages.reference import (build_reference, check_parity, f16_variant, folder_tokenizer_divergence,
+                                           parity_error, parity_texts)
 
+    # every suite text as the runtimes see it: the GGUF tokenizer and the folder's tokenizer.json are checked on it
+    texts = {name: parity_texts(convs, renderer) for name, convs in suites.items()}
     parity = None
     f16 = None
     f16v = f16_variant()
@@ -89,7 +92,7 @@ def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict
         log.warning("no GGUF for this model (%s): the reference is generated on the hf runtime", exc)
         parity = {"ok": False, "skipped": str(exc)}
     if f16 is not None:
-        parity = check_parity(cfg, original, f16.path, f16.hash, renderer, suites)
+        parity = check_parity(cfg, original, f16.path, f16.hash, renderer, texts)
         problem = parity_error(parity)
         if problem and cfg.variant.quantizer == f16v.quantizer:
             raise ConfigError(problem)
@@ -101,10 +104,7 @@ def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict
                         "tokenizer (%d of %d tokens); every runtime is fed the HF ids, and the deployment path "
                         "measures what a server tokenizing text itself would do", tok["gguf_pre_tokenizer"],
                         tok["diverging_texts"], tok["texts"], tok["diverging_tokens"], tok["hf_tokens"])
-    from pipeline.stages.reference import folder_tokenizer_divergence, parity_texts
-
-    folder = folder_tokenizer_divergence(original.checkpoint, renderer,
-                                         {name: parity_texts(convs, renderer) for name, convs in suites.items()})
+    folder = folder_tokenizer_divergence(original.checkpoint, renderer, texts)
     if folder.get("diverging_texts"):
         log.warning("transformers loaded %s for %s, which splits %d of %d suite texts differently from the "
                     "folder's own tokenizer.json (what a server reading that file applies)", folder["loaded"],

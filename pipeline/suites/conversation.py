@@ -28,15 +28,22 @@ PLAIN_TEMPLATE = (
 SYSTEM_PROBE = "qd-system-probe-7f3a"
 
 
+def plain_chat_error(tok) -> Exception | None:
+    """What the chat template raises on one plain user message (a tool-use template that needs tools), or None."""
+    try:
+        tok.apply_chat_template([{"role": "user", "content": "Hello."}], add_generation_prompt=True, tokenize=False)
+    except Exception as exc:     # noqa: BLE001  (jinja2's errors, or a template that needs other inputs)
+        return exc
+    return None
+
+
 def system_role_support(tok) -> str:
     """How the tokenizer's chat template treats a system message: "native" (rendered), "rejected" (the template
     raises: Gemma 2) or "dropped" (rendered without it: Phi-3's template writes only user and assistant turns);
     "unusable" when it cannot render one plain user message either (a tool-use template that needs tools)."""
-    messages = [{"role": "system", "content": SYSTEM_PROBE}, {"role": "user", "content": "Hello."}]
-    try:
-        tok.apply_chat_template(messages[1:], add_generation_prompt=True, tokenize=False)
-    except Exception:       # noqa: BLE001  (a template that needs tools or other inputs: not a system-role question)
+    if plain_chat_error(tok) is not None:       # not a system-role question
         return "unusable"
+    messages = [{"role": "system", "content": SYSTEM_PROBE}, {"role": "user", "content": "Hello."}]
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception:       # noqa: BLE001  (jinja2's TemplateError from raise_exception, or any template failure)
@@ -72,17 +79,13 @@ class ChatRenderer:
             self.plain = True
         # a template that rejects or drops the system role gets the system text in the first user turn, so the
         # model still sees its instructions (the report says so, from the prepare facts)
-        self.system_role = system_role_support(self.tok)
-        if self.system_role == "unusable":
-            try:
-                self.tok.apply_chat_template([{"role": "user", "content": "Hello."}], add_generation_prompt=True,
-                                             tokenize=False)
-                why = "it renders inconsistently"
-            except Exception as exc:     # noqa: BLE001
-                why = f"{type(exc).__name__}: {exc}"
+        error = plain_chat_error(self.tok)
+        if error is not None:
             raise ConfigError(f"the chat template of {checkpoint} cannot render a plain conversation (one user "
-                              f"message, no tools): {why}. quantdrift renders system, user and assistant turns; "
-                              "use the model's chat template for plain chat (a tool-use template needs tools)")
+                              f"message, no tools): {type(error).__name__}: {error}. quantdrift renders system, user "
+                              "and assistant turns; use the model's chat template for plain chat (a tool-use "
+                              "template needs tools)")
+        self.system_role = system_role_support(self.tok)
         if self.system_role != "native":
             log.info("the chat template of %s %s a system message: the system prompt is folded into the first "
                      "user turn", checkpoint, "rejects" if self.system_role == "rejected" else "drops")
