@@ -246,3 +246,6 @@ bench: setup llama-tools
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Targets of one concern each (families, plan, slurm, ...) live in mk/*.mk and may add prerequisites to `test`.
+-include $(sort $(wildcard mk/*.mk))
