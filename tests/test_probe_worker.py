@@ -114,3 +114,39 @@ def test_each_trial_reads_its_own_peak_not_the_process_high_water_mark():
     assert reset_peak_rss()
     second = peak_rss_mb()
     assert first - second > 200, (first, second)
+
+
+class _FakeWorker:
+    def __init__(self, spec, label):
+        self.label, self.closed = label, False
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_probe_pool_is_sized_from_measured_memory_not_the_estimate(tmp_path, tiny_cfg, monkeypatch):
+    """A probe whose measured load peak is twice its estimate makes the pool expect the same of every probe of its
+    runtime: with room for two estimated probes but not for two measured ones, the second label runs fresh."""
+    from pipeline.measure import probe
+    from pipeline.stages import speed
+
+    specs = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"\0" * 2**20)
+        specs[name] = {"runtime": "hf", "artifact": str(tmp_path / name)}
+    monkeypatch.setattr(probe, "ProbeWorker", _FakeWorker)
+    pool = speed.WorkerPool(tiny_cfg(), specs, ["a", "b"])
+    estimate = pool.estimate_mb("a")
+    assert estimate == pytest.approx(1.2 + 700.0)
+    # room for this probe and a fresh one as estimated (2 x 701 MB within 80 % of 1,800 MB)...
+    monkeypatch.setattr(speed, "_mem_available_mb", lambda: 1800.0)
+    assert pool.worker("a") is not None and pool.kept == ["a"]
+    pool.record("a", {"load_peak_rss_mb": 2 * estimate})
+    assert pool.expected_mb("b") == pytest.approx(2 * estimate)
+    # ...but the measured peak says each takes 1,402 MB: keeping b as well would leave no room for a fresh probe
+    assert pool.worker("b") is None and "b" in pool.refused and "1402 MB kept" in pool.refused["b"]
+    assert pool.mode() == speed.WORKERS_MIXED
+    assert pool.worker("a") is pool.workers["a"]       # a kept probe stays kept
+    pool.close()
+    assert not pool.workers

@@ -351,3 +351,15 @@ def test_every_number_a_reason_of_the_committed_report_states_is_in_its_tables()
 
     for path in sorted((PROJECT_ROOT / "results").glob("*/quick/report.md")):
         assert reason_numbers_missing_from_tables(Path(path).read_text()) == {}, path
+
+
+def test_the_speed_protocol_line_names_the_kept_probes_when_memory_held_only_some():
+    from pipeline.report.sections import _speed_noise_block
+    from pipeline.stages.speed import WORKERS_KEPT, WORKERS_MIXED
+
+    text = " ".join(map(str, _speed_noise_block({"speed_protocol": {"workers": WORKERS_MIXED, "kept_workers": ["a"],
+                                                                       "rounds": 3}})))
+    assert "loaded once for all rounds for a (as many as the measured memory held)" in text
+    assert "a fresh process per trial for the others" in text
+    kept = " ".join(map(str, _speed_noise_block({"speed_protocol": {"workers": WORKERS_KEPT, "rounds": 3}})))
+    assert "each variant's own probe process, loaded once for all rounds" in kept

@@ -80,6 +80,7 @@ def build_summary(cfg: Config) -> dict:
                                     or {}).items()},
         "speed_protocol": {"rounds": (speed_run or {}).get("rounds"), "order": (speed_run or {}).get("order"),
                            "workers": (speed_run or {}).get("workers", WORKERS_FRESH),
+                           "kept_workers": (speed_run or {}).get("kept_workers"),
                            **{k: getattr(cfg.profile.speed, k) for k in ("prompt_tokens", "decode_tokens", "repeats",
                                                                          "warmup", "max_cpu_noise")}},
         # what the run's results cost, stage by stage (each stage's own build time, from its manifest)

@@ -31,6 +31,7 @@ AA_SUFFIX = "#A/A"
 # how the trials were run (trials.json and summary.speed_protocol "workers")
 WORKERS_KEPT = "one per label for the stage"
 WORKERS_FRESH = "one per trial"
+WORKERS_MIXED = "one per label for the stage where memory allowed, else one per trial"
 
 
 def trial_order(names: list[str], control: str | None, rounds: int) -> list[list[str]]:
@@ -61,30 +62,103 @@ def _control(cfg: Config, names: list[str]) -> str | None:
     return sp.control
 
 
-# Resident memory of a loaded probe beyond its artifact's bytes (measured on the default's 135M model: transformers
-# variants 0.9-1.1 GB for a 0.5 GB checkpoint, llama.cpp ones 0.2-0.35 GB)
+# A first guess at a loaded probe's resident memory beyond its artifact's bytes, used only until a probe of the same
+# runtime has been measured (on the default's 135M model: transformers variants 0.9-1.1 GB for a 0.5 GB checkpoint,
+# llama.cpp ones 0.2-0.35 GB)
 _WORKER_OVERHEAD_MB = {"hf": 700.0}
 _WORKER_OVERHEAD_DEFAULT_MB = 120.0
+# of the memory available when a probe is about to be kept loaded, the share the kept probe plus one fresh probe of
+# the largest variant may take (the rest is headroom)
+_KEEP_SHARE = 0.8
 
 
-def keep_workers(cfg: Config, specs: dict[str, dict], labels: list[str]) -> tuple[bool, str]:
-    """Whether every label keeps one probe process for the whole stage (loaded once) or each trial starts a fresh
-    one. Kept on a CPU when all of them fit in half the available memory at once; on a GPU never, since
-    each probe's device-memory reading needs the device to hold that variant alone."""
-    from pipeline.measure.bandwidth import resolve_device
+class WorkerPool:
+    """The probe processes kept loaded for all rounds, sized from measured memory. Before a label's probe is kept,
+    the memory available now (after every probe already kept) must hold it plus a fresh probe of the largest
+    variant, with 20 % headroom; what a probe takes is its own load peak measured in an earlier trial of the stage
+    (a resumed stage), else its estimate scaled by the largest measured-to-estimated ratio of probes of the same
+    runtime. A label refused keeps a fresh process per trial. On a GPU no probe is kept: each probe's device
+    memory reading needs the device to hold that variant alone."""
 
-    if resolve_device(cfg.runtime.device) != "cpu":
-        return False, "a fresh probe process per trial (the device holds one variant at a time)"
-    need = 0.0
-    for label in labels:
-        spec = specs[label.removesuffix(AA_SUFFIX)]
-        need += 1.2 * dir_bytes(spec["artifact"]) / 2**20 + _WORKER_OVERHEAD_MB.get(
+    def __init__(self, cfg: Config, specs: dict[str, dict], labels: list[str]):
+        from pipeline.measure.bandwidth import resolve_device
+
+        self.specs, self.labels = specs, labels
+        self.enabled = resolve_device(cfg.runtime.device) == "cpu"
+        self.workers: dict = {}
+        self.kept: list[str] = []
+        self.refused: dict[str, str] = {}
+        self.measured_mb: dict[str, float] = {}     # label -> its probe's measured load peak
+        self.ratio: dict[str, float] = {}           # runtime -> largest measured / estimated
+
+    def _spec(self, label: str) -> dict:
+        return self.specs[label.removesuffix(AA_SUFFIX)]
+
+    def estimate_mb(self, label: str) -> float:
+        spec = self._spec(label)
+        return 1.2 * dir_bytes(spec["artifact"]) / 2**20 + _WORKER_OVERHEAD_MB.get(
             spec["runtime"], _WORKER_OVERHEAD_DEFAULT_MB)
-    available = _mem_available_mb()
-    if need > available / 2:
-        return False, (f"a fresh probe process per trial (keeping {len(labels)} loaded would take about "
-                       f"{need / 1024:.1f} GiB of the {available / 1024:.1f} GiB available)")
-    return True, f"one probe process per label, loaded once for all rounds (about {need / 1024:.1f} GiB together)"
+
+    def expected_mb(self, label: str) -> float:
+        if label in self.measured_mb:
+            return self.measured_mb[label]
+        return self.estimate_mb(label) * max(1.0, self.ratio.get(self._spec(label)["runtime"], 1.0))
+
+    def record(self, label: str, trial: dict) -> None:
+        """Take a trial's measured load peak as what this label's probe takes."""
+        peak = trial.get("load_peak_rss_mb")
+        if not peak:
+            return
+        self.measured_mb[label] = max(peak, self.measured_mb.get(label, 0.0))
+        runtime = self._spec(label)["runtime"]
+        self.ratio[runtime] = max(self.ratio.get(runtime, 0.0), peak / self.estimate_mb(label))
+
+    def worker(self, label: str):
+        """The label's kept probe (started now if memory allows), or None for a fresh process per trial."""
+        from pipeline.measure.probe import ProbeWorker
+
+        if not self.enabled or label in self.refused:
+            return None
+        if label not in self.workers:
+            need = self.expected_mb(label)
+            largest = max(self.expected_mb(x) for x in self.labels)
+            available = _mem_available_mb()
+            if need + largest > _KEEP_SHARE * available:
+                self.refused[label] = (f"{need:.0f} MB kept + {largest:.0f} MB for a fresh probe > "
+                                       f"{_KEEP_SHARE:.0%} of the {available:.0f} MB available")
+                log.info("speed: %s gets a fresh probe process per trial (%s)", label, self.refused[label])
+                return None
+            self.workers[label] = ProbeWorker(self._spec(label), label)
+            self.kept.append(label)
+        return self.workers[label]
+
+    def drop(self, label: str) -> None:
+        """Stop the label's kept probe (a failed trial: the next round starts it afresh)."""
+        if label in self.workers:
+            self.workers.pop(label).close()
+
+    def stop_keeping(self) -> None:
+        for label in list(self.workers):
+            self.drop(label)
+        self.enabled = False
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        self.workers.clear()
+
+    def mode(self) -> str:
+        if self.kept and not self.refused and self.enabled:
+            return WORKERS_KEPT
+        return WORKERS_MIXED if self.kept and self.enabled else WORKERS_FRESH
+
+    def describe(self) -> str:
+        if not self.enabled and not self.kept:
+            return "a fresh probe process per trial (the device holds one variant at a time)"
+        return (f"{len(self.kept)} of {len(self.labels)} probe processes kept loaded for all rounds "
+                f"({', '.join(self.kept) or 'none'}), sized from measured memory"
+                + (f"; fresh per trial: {', '.join(f'{k} ({v})' for k, v in self.refused.items())}"
+                   if self.refused else ""))
 
 
 def _mem_available_mb() -> float:
@@ -99,14 +173,14 @@ def speed_protocol() -> dict:
     the A/A floor) are computed when the summary is built, from the trials, never cached."""
     from pipeline.infra.code_version import code_version
 
-    return code_version("pipeline.measure.probe", "pipeline.measure.memory", trial_order, keep_workers, _control,
+    return code_version("pipeline.measure.probe", "pipeline.measure.memory", trial_order, WorkerPool, _control,
                         measure_speed)
 
 
 def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
     """Run (or resume) the interleaved trials of every evaluated variant; returns the trials file's content:
     {"rounds", "order", "control", "trials": {label: [trial result or {"error": ...}, one per round]}}."""
-    from pipeline.measure.probe import ProbeWorker, run_trial
+    from pipeline.measure.probe import run_trial
 
     specs = {n: r["probe"] for n, r in results.items() if r.get("status") == "ok" and r.get("probe")}
     if not specs:
@@ -122,9 +196,11 @@ def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
     def build(tmp):
         journal = Journal(out_dir, "trials", key)
         total = sum(len(labels) for labels in order)
-        keep, why = keep_workers(cfg, specs, order[0])
-        log.info("speed: %s", why)
-        workers: dict[str, ProbeWorker] = {}
+        pool = WorkerPool(cfg, specs, order[0])
+        for r, labels in enumerate(order):       # a resumed stage: what its probes took is already measured
+            for label in labels:
+                if f"{r}:{label}" in journal and "error" not in journal.get(f"{r}:{label}"):
+                    pool.record(label, journal.get(f"{r}:{label}"))
         done = 0
         try:
             for r, labels in enumerate(order):
@@ -136,30 +212,27 @@ def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
                     log.info("speed: trial %d/%d (round %d/%d): %s", done, total, r + 1, len(order), label)
                     spec = specs[label.removesuffix(AA_SUFFIX)]
                     try:
-                        if keep and label not in workers:
-                            workers[label] = ProbeWorker(spec, label)
-                        trial = run_trial(spec, sp.max_cpu_noise, label, workers.get(label))
-                        if keep and trial.get("peak_rss_per_trial") is False:
+                        worker = pool.worker(label)
+                        trial = run_trial(spec, sp.max_cpu_noise, label, worker)
+                        pool.record(label, trial)
+                        if worker is not None and trial.get("peak_rss_per_trial") is False:
                             # the kernel refused to reset the high-water mark: a kept process would report its
                             # load's peak in every trial, so every later trial gets a fresh process of its own
                             log.warning("speed: this kernel refuses to reset a process's peak RSS "
                                         "(/proc/self/clear_refs): a fresh probe process per trial from here on")
-                            keep = False
-                            for worker in workers.values():
-                                worker.close()
-                            workers.clear()
+                            pool.stop_keeping()
                     except Exception as exc:  # a variant whose probe fails is reported without speed, the others go on
                         log.error("speed trial of %s failed: %s", label, exc)
                         trial = {"error": f"{type(exc).__name__}: {exc}"}
-                        if label in workers:      # the next round starts it afresh
-                            workers.pop(label).close()
+                        pool.drop(label)
                     journal.add(item, trial)
         finally:
-            for worker in workers.values():
-                worker.close()
+            pool.close()
+        log.info("speed: %s", pool.describe())
         labels = [label for label in order[0]]
         write_json(tmp / "trials.json", {"rounds": len(order), "order": order, "control": control,
-                                         "workers": WORKERS_KEPT if keep else WORKERS_FRESH,
+                                         "workers": pool.mode(), "kept_workers": pool.kept,
+                                         "fresh_workers": pool.refused,
                                          "trials": {lab: [journal.get(f"{r}:{lab}") for r in range(len(order))]
                                                     for lab in labels}})
         return {"rounds": len(order), "control": control}
