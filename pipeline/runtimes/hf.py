@@ -52,7 +52,7 @@ def resolve_device(requested: str) -> str:
 class HFSettings:
     """variant.runtime_options for hf."""
 
-    dtype: str | None = None            # None: float32 on a CPU, bfloat16 on CUDA
+    dtype: str | None = None            # None: chosen by pipeline.runtimes.compute_dtype (recorded in info)
     kv_cache: dict | None = None        # {bits, residual_length, score_chunk}: the integer KV cache (kv_quant)
     # GPTQ/AWQ free-running: 'dequantized' (the exact dequantized weights as an F16 GGUF on llama.cpp, after a
     # check against the kernel) or 'kernel'
@@ -103,9 +103,11 @@ class HFRuntime(FullLogitsRuntime):
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(rcfg.device)
-        self.dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
         if options.get("dtype"):
-            self.dtype = getattr(torch, options["dtype"])
+            dtype, dtype_why = options["dtype"], "variant.runtime_options.dtype"
+        else:
+            dtype, dtype_why = self._default_dtype(Path(artifact), rcfg.n_threads)
+        self.dtype = getattr(torch, dtype)
         torch.set_num_threads(rcfg.n_threads)
         torch.manual_seed(0)
         load = self._load_options(Path(artifact))
@@ -130,6 +132,7 @@ class HFRuntime(FullLogitsRuntime):
             "runtime": "hf",
             "device": self.device,
             "dtype": str(self.dtype).replace("torch.", ""),
+            "dtype_choice": dtype_why,
             "threads": torch.get_num_threads(),
             "kernel": self._kernel_name(),
             # False where the format's own kernel does not run here and the weights were made dense at load: the
@@ -139,6 +142,19 @@ class HFRuntime(FullLogitsRuntime):
         }
         if self.kv:
             self.info["kv_cache"] = {**self.kv, "layout": "KIVI: keys per channel, values per token, fp16 scales"}
+
+    def _default_dtype(self, artifact: Path, threads: int) -> tuple[str, str]:
+        """The compute dtype when the variant sets none (pipeline.runtimes.compute_dtype): the float32 size of the
+        weights from the checkpoint's bytes and its declared dtype, against the memory available now."""
+        import psutil
+
+        from pipeline.infra.files import dir_bytes
+        from pipeline.runtimes.compute_dtype import checkpoint_dtype, resolve
+
+        own = checkpoint_dtype(artifact) or "float32"
+        stored = sum(dir_bytes(f) for f in artifact.glob("*.safetensors")) if artifact.is_dir() else 0
+        weights = stored * (1 if own == "float32" else 2) or None       # in float32
+        return resolve(self.device, artifact, threads, weights, psutil.virtual_memory().available)
 
     def _load_options(self, artifact: Path) -> dict:
         """A compressed-tensors checkpoint (llm-compressor's) is dequantized at load: transformers 5.24 cannot

@@ -1,0 +1,56 @@
+"""The dtype transformers computes in: never below the checkpoint's precision for speed; a lossless upcast where it
+is measured faster; bfloat16 only where float32 does not fit."""
+
+import json
+
+from pipeline.runtimes import compute_dtype
+
+
+def _rates(fp32_over_bf16_prompt: float, fp32_over_bf16_decode: float) -> dict:
+    return {"bfloat16": {"prompt": 100.0, "decode": 10.0},
+            "float32": {"prompt": 100.0 * fp32_over_bf16_prompt, "decode": 10.0 * fp32_over_bf16_decode}}
+
+
+def test_a_float32_checkpoint_stays_float32_even_where_bfloat16_is_faster():
+    dtype, why = compute_dtype.choose_cpu(_rates(0.22, 0.65), "float32", None, None)
+    assert dtype == "float32" and "prompt 0.22x" in why and "decode 0.65x" in why
+
+
+def test_a_half_checkpoint_is_upcast_only_where_float32_is_faster_at_both_shapes():
+    assert compute_dtype.choose_cpu(_rates(5.0, 1.2), "bfloat16", None, None)[0] == "float32"
+    assert compute_dtype.choose_cpu(_rates(5.0, 0.8), "bfloat16", None, None)[0] == "bfloat16"
+    # the upcast must fit: 4 GiB of bf16 weights are 8 GiB in float32
+    assert compute_dtype.choose_cpu(_rates(5.0, 1.2), "float16", 8 * 2**30, 9 * 2**30)[0] == "float16"
+
+
+def test_float32_weights_that_do_not_fit_the_memory_take_bfloat16_and_say_so():
+    dtype, why = compute_dtype.choose_cpu(_rates(5.0, 1.2), "float32", weights_fp32_bytes=28 * 2**30,
+                                          available_bytes=22 * 2**30)
+    assert dtype == "bfloat16" and "28.0 GiB" in why and "22.0 GiB available" in why and "rounding" in why
+
+
+def test_on_a_gpu_the_checkpoints_own_half_dtype(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    assert compute_dtype.resolve("cuda", tmp_path, 2)[0] == "float16"
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    dtype, why = compute_dtype.resolve("cuda", tmp_path, 2)
+    assert dtype == "bfloat16" and "float32" in why
+
+
+def test_the_speeds_are_measured_once_per_cpu_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(compute_dtype, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(compute_dtype, "_SECONDS_PER_SHAPE", 0.05)
+    calls = []
+    real = compute_dtype.measure_rates
+    monkeypatch.setattr(compute_dtype, "measure_rates", lambda t: calls.append(t) or real(t))
+    first = compute_dtype.cpu_rates(1)
+    assert calls == [1] and set(first) == {"float32", "bfloat16"}
+    assert all(first[d][s] > 0 for d in first for s in ("prompt", "decode"))
+    assert compute_dtype.cpu_rates(1) == first and calls == [1]
+    (record,) = tmp_path.glob("*.json")
+    record.write_text("{damaged")
+    compute_dtype.cpu_rates(1)
+    assert calls == [1, 1], "a damaged record is measured again"
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    dtype, why = compute_dtype.resolve("cpu", tmp_path, 1)
+    assert dtype == "float32" and "forward speed measured here" in why
