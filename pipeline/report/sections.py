@@ -46,11 +46,12 @@ def _speed_noise_block(summary: dict) -> list:
     proto = summary.get("speed_protocol") or {}
     from pipeline.stages.speed import WORKERS_KEPT, WORKERS_MIXED
 
-    workers = ("each variant's own probe process, loaded once for all rounds"
-               if proto.get("workers") == WORKERS_KEPT else
-               ("a probe process loaded once for all rounds for " + ", ".join(proto.get("kept_workers") or [])
-                + " (as many as the measured memory held), a fresh process per trial for the others")
-               if proto.get("workers") == WORKERS_MIXED else "a fresh process per trial")
+    workers = "a fresh process per trial"
+    if proto.get("workers") == WORKERS_KEPT:
+        workers = "each variant's own probe process, loaded once for all rounds"
+    elif proto.get("workers") == WORKERS_MIXED:
+        workers = (f"a probe process loaded once for all rounds for {', '.join(proto.get('kept_workers') or [])} "
+                   "(as many as the measured memory held), a fresh process per trial for the others")
     out = [f"Speed: every variant measured in {proto.get('rounds') or '?'} interleaved rounds (each round measures "
            f"every variant once, {workers}, the order rotated by one place per round), each trial "
            f"{proto.get('warmup', 1)} warm-up then {proto.get('repeats', 1)} timed generation(s) of "

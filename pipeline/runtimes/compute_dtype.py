@@ -114,13 +114,19 @@ def checkpoint_dtype(artifact: Path) -> str | None:
     return value if value in ("float32", "bfloat16", "float16") else None
 
 
-def resolve(device: str, artifact: Path, threads: int, weights_fp32_bytes: int | None = None,
-            available_bytes: int | None = None) -> tuple[str, str]:
+def fp32_weights_bytes(artifact: Path, own: str) -> int | None:
+    """The checkpoint's safetensors weights as float32 (its stored bytes, doubled for a half-precision one)."""
+    artifact = Path(artifact)
+    stored = sum(f.stat().st_size for f in artifact.glob("*.safetensors")) if artifact.is_dir() else 0
+    return stored * (1 if own == "float32" else 2) or None
+
+
+def resolve(device: str, artifact: Path, threads: int, available_bytes: int | None = None) -> tuple[str, str]:
     """(dtype name, why) for a variant that sets no dtype."""
+    own = checkpoint_dtype(artifact)
     if device != "cpu":
-        own = checkpoint_dtype(artifact)
         if own in ("bfloat16", "float16"):
             return own, f"the checkpoint's own dtype on {device}"
         return "bfloat16", f"bfloat16 on {device} (the checkpoint declares {own or 'no dtype'})"
-    return choose_cpu(cpu_rates(threads), checkpoint_dtype(artifact) or "float32", weights_fp32_bytes,
-                      available_bytes)
+    own = own or "float32"
+    return choose_cpu(cpu_rates(threads), own, fp32_weights_bytes(artifact, own), available_bytes)

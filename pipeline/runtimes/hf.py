@@ -144,17 +144,13 @@ class HFRuntime(FullLogitsRuntime):
             self.info["kv_cache"] = {**self.kv, "layout": "KIVI: keys per channel, values per token, fp16 scales"}
 
     def _default_dtype(self, artifact: Path, threads: int) -> tuple[str, str]:
-        """The compute dtype when the variant sets none (pipeline.runtimes.compute_dtype): the float32 size of the
-        weights from the checkpoint's bytes and its declared dtype, against the memory available now."""
+        """The compute dtype when the variant sets none (pipeline.runtimes.compute_dtype), against the memory
+        available now."""
         import psutil
 
-        from pipeline.infra.files import dir_bytes
-        from pipeline.runtimes.compute_dtype import checkpoint_dtype, resolve
+        from pipeline.runtimes.compute_dtype import resolve
 
-        own = checkpoint_dtype(artifact) or "float32"
-        stored = sum(dir_bytes(f) for f in artifact.glob("*.safetensors")) if artifact.is_dir() else 0
-        weights = stored * (1 if own == "float32" else 2) or None       # in float32
-        return resolve(self.device, artifact, threads, weights, psutil.virtual_memory().available)
+        return resolve(self.device, artifact, threads, psutil.virtual_memory().available)
 
     def _load_options(self, artifact: Path) -> dict:
         """A compressed-tensors checkpoint (llm-compressor's) is dequantized at load: transformers 5.24 cannot

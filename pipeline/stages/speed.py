@@ -129,7 +129,8 @@ class WorkerPool:
                 log.info("speed: %s gets a fresh probe process per trial (%s)", label, self.refused[label])
                 return None
             self.workers[label] = ProbeWorker(self._spec(label), label)
-            self.kept.append(label)
+            if label not in self.kept:          # a probe restarted after a failed trial is the same kept label
+                self.kept.append(label)
         return self.workers[label]
 
     def drop(self, label: str) -> None:
@@ -138,8 +139,7 @@ class WorkerPool:
             self.workers.pop(label).close()
 
     def stop_keeping(self) -> None:
-        for label in list(self.workers):
-            self.drop(label)
+        self.close()
         self.enabled = False
 
     def close(self) -> None:
@@ -148,9 +148,9 @@ class WorkerPool:
         self.workers.clear()
 
     def mode(self) -> str:
-        if self.kept and not self.refused and self.enabled:
-            return WORKERS_KEPT
-        return WORKERS_MIXED if self.kept and self.enabled else WORKERS_FRESH
+        if not self.enabled or not self.kept:
+            return WORKERS_FRESH
+        return WORKERS_MIXED if self.refused else WORKERS_KEPT
 
     def describe(self) -> str:
         if not self.enabled and not self.kept:
@@ -199,7 +199,7 @@ def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
         pool = WorkerPool(cfg, specs, order[0])
         for r, labels in enumerate(order):       # a resumed stage: what its probes took is already measured
             for label in labels:
-                if f"{r}:{label}" in journal and "error" not in journal.get(f"{r}:{label}"):
+                if f"{r}:{label}" in journal:
                     pool.record(label, journal.get(f"{r}:{label}"))
         done = 0
         try:
