@@ -367,6 +367,28 @@ def test_one_variant_slower_against_the_control_fails_naming_it(gate):
     assert gate(_with_trials(_summary(), scale=0.7, slow={"gguf_q8_0": 0.95}), base)[0] == 0
 
 
+def test_a_median_moved_inside_the_trials_own_spread_is_noise_and_a_clear_shift_still_fails(gate):
+    """Three rounds on a busy machine: the variant's ratio to the control spread 1.06-2.22 while the baseline's sat
+    at 2.12-2.49 (what CI once saw). Its median fell 38 %, far past the 7 % A/A tolerance, but the change's interval
+    reaches back inside it: noise, not a regression. The same spread around a ratio halved does fail."""
+    base = _with_trials(_summary())
+    ctl = base["variants"]["original"]["speed_trials"]["values"]["prefill_tokens_per_s"]
+    base["variants"]["gguf_q8_0"]["speed_trials"]["values"]["prefill_tokens_per_s"] = [
+        c * r for c, r in zip(ctl, [2.32, 2.12, 2.49, 2.30, 2.35, 2.20])]
+    new = _with_trials(_summary())
+    ctl = new["variants"]["original"]["speed_trials"]["values"]["prefill_tokens_per_s"]
+    noisy = [1.44, 1.06, 2.22, 1.40, 1.50, 1.30]
+    new["variants"]["gguf_q8_0"]["speed_trials"]["values"]["prefill_tokens_per_s"] = [
+        c * r for c, r in zip(ctl, noisy)]
+    code, _, md = gate(new, base)
+    assert code == 0, md
+    assert "the change's interval reaches inside the tolerance (noise, not a regression)" in md
+    new["variants"]["gguf_q8_0"]["speed_trials"]["values"]["prefill_tokens_per_s"] = [
+        c * r * 0.6 for c, r in zip(ctl, [1.15, 1.10, 1.20, 1.16, 1.12, 1.18])]
+    code, _, md = gate(new, base)
+    assert code == 1 and "| gguf_q8_0 | prefill_tokens_per_s | **REGRESSED**" in md, md
+
+
 def test_a_changed_control_falls_back_to_absolute_figures_and_says_so(gate):
     """The control's own engine changed (torch upgraded): its ratio no longer cancels the machine, so the gate
     says so and compares absolute figures only where the environment matches (here it does not: skipped)."""

@@ -5,7 +5,10 @@ the same rounds cancels most of that. For each variant and speed figure the gate
 variant / control (the median and its order-statistic interval over the rounds), and compares it with the same
 ratio in the baseline. The tolerance comes from the two runs' A/A floors (the control measured twice per round:
 ``speed_noise`` in the summary): two independent ratios, each inside its run's floor, differ by up to
-sqrt(floor_new^2 + floor_base^2), never less than ``regress.control_min_tolerance``.
+sqrt(floor_new^2 + floor_base^2), never less than ``regress.control_min_tolerance``. A figure regresses only when
+the change's whole interval (both runs' ratio intervals combined) lies beyond that tolerance: with few rounds on a
+busy machine one variant's ratio can spread far wider than the control's A/A floor, and a median moved inside that
+spread decides nothing.
 
 The control's own figures against the baseline's control are the machine drift: reported, never gated. The
 control-relative check applies only when the control's engine and artifact are unchanged since the baseline
@@ -133,21 +136,36 @@ def plan(new: dict, base: dict, cfg_regress) -> dict:
     return out
 
 
+def change_interval(rn: dict, rb: dict) -> tuple[float, float, float]:
+    """The change of the control-relative ratio (new / baseline) with its interval: each run's median ratio is
+    uncertain by its own order-statistic interval, and the two runs are independent, so the half-widths combine in
+    quadrature on the log scale. Returns (change, low, high)."""
+    change = rn["estimate"] / rb["estimate"]
+    up = math.hypot(math.log(rn["high"] / rn["estimate"]), math.log(rb["estimate"] / rb["low"]))
+    down = math.hypot(math.log(rn["estimate"] / rn["low"]), math.log(rb["high"] / rb["estimate"]))
+    return change, change * math.exp(-down), change * math.exp(up)
+
+
 def compare(metric: str, variant: str, new: dict, base: dict, control: str, tol: float) -> tuple[bool, str]:
-    """(regressed, message) for one speed figure of one variant, as a ratio to the control."""
+    """(regressed, message) for one speed figure of one variant, as a ratio to the control. It regresses only when
+    the whole interval of the change lies beyond the tolerance: a change inside either run's own trial-to-trial
+    spread is noise, however far its median moved."""
     m = catalogue.BY_NAME[metric]
     rn, rb = relative(new, variant, control, metric), relative(base, variant, control, metric)
     if rb is None:
         return False, "no control-relative figure in the baseline (not compared)"
     if rn is None:
         return True, f"not measured against the control `{control}` in this run"
-    change = rn["estimate"] / rb["estimate"]
+    change, low, high = change_interval(rn, rb)
     # a higher-is-better figure regresses when its ratio falls by more than tol; a time when it rises by as much
-    bad = change < 1 - tol if m.better == "higher" else change > 1 / (1 - tol)
+    bad = high < 1 - tol if m.better == "higher" else low > 1 / (1 - tol)
+    beyond = "" if bad or not (change < 1 - tol if m.better == "higher" else change > 1 / (1 - tol)) else (
+        "; the change's interval reaches inside the tolerance (noise, not a regression)")
     return bad, (f"{rn['estimate']:.3f}× the control `{control}` [{rn['low']:.3f}, {rn['high']:.3f}] vs baseline "
-                 f"{rb['estimate']:.3f}× [{rb['low']:.3f}, {rb['high']:.3f}]: change {change - 1:+.1%}, allowed "
+                 f"{rb['estimate']:.3f}× [{rb['low']:.3f}, {rb['high']:.3f}]: change {change - 1:+.1%} "
+                 f"[{low - 1:+.1%}, {high - 1:+.1%}], allowed "
                  f"{'-' if m.better == 'higher' else '+'}{(tol if m.better == 'higher' else 1 / (1 - tol) - 1):.1%} "
-                 "(both runs' A/A floors)")
+                 f"(both runs' A/A floors){beyond}")
 
 
 def drift_lines(p: dict) -> list[str]:
@@ -169,5 +187,5 @@ def drift_lines(p: dict) -> list[str]:
                           for m in ("decode_tokens_per_s", "prefill_tokens_per_s") if m in p["tolerances"])
         if shown:
             lines.append("Smallest control-relative speed regression this run can detect (both runs' A/A floors "
-                         f"combined): {shown}.")
+                         f"combined; a change must also clear both runs' trial intervals): {shown}.")
     return lines
