@@ -13,9 +13,10 @@ A runtime loads one artifact (plus KV-cache and runtime settings) and must offer
 
 Optional capabilities, each declared by a class attribute:
 
-- ``full_logits = True`` (``FullLogitsRuntime``): ``logits(ids, positions)`` returns (n, vocab) float32 rows;
-  ``score`` and ``logprobs`` are derived from it. The original's reference distribution (top-K + tail), the
-  F16 parity check and ``quantdrift corpus`` need it.
+- ``full_logits = True`` (``FullLogitsRuntime``): ``logit_blocks(ids, positions)`` streams the (n, vocab)
+  float32 rows of one pass a block at a time (``logits`` returns them whole); ``score``, ``logprob_blocks`` and
+  ``logprobs`` are derived from it. The original's reference distribution (top-K + tail), the F16 parity check
+  and ``quantdrift corpus`` need it.
 - ``own_tokenizer = True``: ``tokenize_served``/``detokenize_served``, the tokenizer a server on this runtime
   applies to chat text (the deployment path).
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -49,7 +50,9 @@ class Scores:
     logprobs: np.ndarray     # float64 (n, K): log p(candidates[i, k] | ids[: positions[i] + 1])
     argmax: np.ndarray       # int64 (n,): the most likely next id at each position
     logsumexp: np.ndarray    # float64 (n,): log of the sum of exp(logits) over the vocabulary
-    full: np.ndarray | None = None   # float64 (len(full_rows), vocab): the whole log-softmax at the rows asked for
+    # float64 (len(full_rows),): the full-vocabulary KL divergence from ``full_ref`` at the rows asked for, computed
+    # in the same pass a chunk of rows at a time (no row of the whole log-softmax is kept)
+    kld_full: np.ndarray | None = None
 
 
 @dataclass
@@ -226,10 +229,12 @@ class Runtime(abc.ABC):
 
     @abc.abstractmethod
     def score(self, ids: Sequence[int], positions: Sequence[int], candidates: np.ndarray,
-              full_rows: Sequence[int] = ()) -> Scores:
+              full_rows: Sequence[int] = (), full_ref: np.ndarray | None = None) -> Scores:
         """Teacher-forced log-probs of ``candidates`` (int (len(positions), K)) after ``ids[p]`` for each p in
-        ``positions``, from one pass over ``ids``; see ``Scores``. ``full_rows`` (indices into ``positions``):
-        rows whose whole vocabulary log-softmax comes back too (``Scores.full``), from the same pass."""
+        ``positions``, from one pass over ``ids``; see ``Scores``. ``full_rows`` (ascending indices into
+        ``positions``) with ``full_ref`` (a reference's whole log-softmax there, (len(full_rows), vocab)): the
+        full-vocabulary KL divergence from the reference at those rows (``Scores.kld_full``), from the same
+        pass; only a ``full_logits`` runtime can."""
 
     def tokenize_document(self, text: str) -> tuple[list[int], int | None]:
         """A whole text as this runtime's own tools tokenize a document (BOS per the model's metadata, special-
@@ -274,44 +279,81 @@ class Runtime(abc.ABC):
 
 
 class FullLogitsRuntime(Runtime):
-    """A runtime that can return full-vocabulary logits; ``score`` and ``logprobs`` are derived from them."""
+    """A runtime that can return full-vocabulary logits; ``score`` and ``logprobs`` are derived from them.
+
+    A subclass implements ``logit_blocks`` (the rows streamed from one pass) or ``logits`` (all rows at once); the
+    other is derived. Scoring reads ``logit_blocks``, so a runtime that streams never has a conversation's whole
+    (positions, vocab) matrix built by this project's code."""
 
     full_logits = True
 
-    @abc.abstractmethod
+    def logit_blocks(self, ids: Sequence[int], positions: Sequence[int]) -> Iterator[np.ndarray]:
+        """The rows of ``logits(ids, positions)``, from ONE pass over ``ids``, in the order of ``positions``, as
+        consecutive float32 blocks of at most ``block_rows(vocab)`` rows; each block is the caller's to keep.
+        This default cuts ``logits``' matrix (for runtimes that can only return it whole)."""
+        if type(self).logits is FullLogitsRuntime.logits:
+            raise NotImplementedError(f"runtime {self.name!r} implements neither logits nor logit_blocks")
+        logits = self.logits(ids, positions)
+        yield from np.array_split(logits, range(block_rows(logits.shape[-1]), len(logits),
+                                                block_rows(logits.shape[-1])))
+
     def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """Teacher-forced next-token logits after ``ids[p]`` for each p in ``positions``, from ONE forward pass
-        over ``ids``: float32 array of shape (len(positions), vocab_size)."""
+        over ``ids``: float32 array of shape (len(positions), vocab_size). The whole matrix: scoring reads
+        ``logit_blocks`` instead."""
+        if type(self).logit_blocks is FullLogitsRuntime.logit_blocks:
+            raise NotImplementedError(f"runtime {self.name!r} implements neither logits nor logit_blocks")
+        blocks = list(self.logit_blocks(ids, positions))
+        return np.concatenate(blocks) if blocks else np.empty((0, 0), dtype=np.float32)
+
+    def logprob_blocks(self, ids: Sequence[int], positions: Sequence[int]) -> Iterator[np.ndarray]:
+        """``logit_blocks`` log-softmax normalised: float64 chunks of at most ``drift.chunk_rows(vocab)`` rows."""
+        from pipeline.measure.drift import logprob_chunks
+
+        return logprob_chunks(self.logit_blocks(ids, positions))
 
     def logprobs(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-        """Like ``logits`` but log-softmax normalised: float64 (len(positions), vocab_size)."""
-        from pipeline.measure.drift import log_softmax
-
-        return log_softmax(self.logits(ids, positions))
+        """Like ``logits`` but log-softmax normalised: float64 (len(positions), vocab_size). The whole matrix:
+        for short checks; scoring streams ``logprob_blocks``."""
+        chunks = list(self.logprob_blocks(ids, positions))
+        return np.concatenate(chunks) if chunks else np.empty((0, 0), dtype=np.float64)
 
     def score(self, ids: Sequence[int], positions: Sequence[int], candidates: np.ndarray,
-              full_rows: Sequence[int] = (), chunk: int = 256) -> Scores:
-        """One forward pass; the log-softmax runs in chunks of positions to bound float64 temporaries."""
-        candidates = np.asarray(candidates, dtype=np.int64)
-        logits = self.logits(ids, positions)
-        out = np.empty(candidates.shape, dtype=np.float64)
-        argmax = np.empty(len(candidates), dtype=np.int64)
-        lse = np.empty(len(candidates), dtype=np.float64)
-        full_rows = np.asarray(full_rows, dtype=np.int64)
-        full = np.empty((len(full_rows), logits.shape[-1]), dtype=np.float64) if len(full_rows) else None
-        for start in range(0, len(candidates), chunk):
-            sel = slice(start, start + chunk)
-            z = logits[sel].astype(np.float64)
-            m = z.max(axis=-1, keepdims=True)
-            z -= m
-            log_sum = np.log(np.exp(z).sum(axis=-1, keepdims=True))   # as metrics.log_softmax, term for term
-            out[sel] = np.take_along_axis(z, candidates[sel], axis=-1) - log_sum
-            lse[sel] = (m + log_sum)[:, 0]
-            argmax[sel] = logits[sel].argmax(axis=-1)
-            if full is not None:
-                here = (full_rows >= start) & (full_rows < start + chunk)
-                full[here] = z[full_rows[here] - start] - log_sum[full_rows[here] - start]
-        return Scores(logprobs=out, argmax=argmax, logsumexp=lse, full=full)
+              full_rows: Sequence[int] = (), full_ref: np.ndarray | None = None) -> Scores:
+        """One forward pass, streamed: the log-softmax runs a chunk of rows at a time (``drift.score_chunks``),
+        so no (positions, vocab) matrix is held whatever the sequence's length."""
+        from pipeline.measure.drift import score_chunks
+
+        out, argmax, lse, kld = score_chunks(self.logit_blocks(ids, positions), candidates, full_rows, full_ref)
+        return Scores(logprobs=out, argmax=argmax, logsumexp=lse, kld_full=kld)
+
+
+# The most float32 logit bytes a runtime hands over in one block (``logit_blocks``): 64 rows at a 256k vocabulary,
+# 341 at 49k. Large enough that a head applied per block reads its weights a few times per sequence, not per row.
+BLOCK_BYTES = 64 * 2**20
+
+
+def block_rows(vocab: int) -> int:
+    """Rows per ``logit_blocks`` block: float32 rows of ``vocab`` entries within BLOCK_BYTES."""
+    return max(1, BLOCK_BYTES // (4 * max(int(vocab), 1)))
+
+
+def in_position_order(positions: Sequence[int], ascending: Callable[[list[int]], Iterator[np.ndarray]]
+                      ) -> Iterator[np.ndarray]:
+    """``logit_blocks`` from a runtime's ``ascending(sorted_positions)`` stream (rows computed in token order):
+    streamed as they come when ``positions`` ascend (every caller's case), else gathered whole and reordered."""
+    positions = [int(p) for p in positions]
+    if all(a <= b for a, b in zip(positions, positions[1:])):
+        yield from ascending(positions)
+        return
+    order = np.argsort(positions, kind="stable")
+    blocks = list(ascending([positions[i] for i in order]))
+    if not blocks:
+        return
+    rows = np.concatenate(blocks)
+    out = np.empty_like(rows)
+    out[order] = rows
+    yield from np.array_split(out, range(block_rows(out.shape[-1]), len(out), block_rows(out.shape[-1])))
 
 
 def require_full_logits(runtime: Runtime, why: str) -> FullLogitsRuntime:

@@ -8,7 +8,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from pipeline.infra.errors import ConfigError, Skip
 from pipeline.infra.llama_tools import load_llama_cpp
-from pipeline.runtimes.base import FullLogitsRuntime, Generation, TokenChoice, greedy_decode, greedy_decode_many
+from pipeline.runtimes.base import (FullLogitsRuntime, Generation, TokenChoice, block_rows, greedy_decode,
+                                    greedy_decode_many, in_position_order)
 
 if TYPE_CHECKING:
     from pipeline.config.schema import RuntimeConfig
@@ -330,37 +331,53 @@ class LlamaCppRuntime(FullLogitsRuntime):
                                   prefill_tokens=len(prompts[i]) - todo[i], ttft_s=ttft[i], decode_times_s=times[i]))
         return out
 
-    def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    def logit_blocks(self, ids: Sequence[int], positions: Sequence[int]) -> Iterator[np.ndarray]:
         """One pass over ``ids`` in n_batch chunks, asking llama.cpp for output rows only at ``positions``: the
-        vocabulary projection of every other token is skipped (about 30 % of prefill time on small models)."""
-        llama_cpp = load_llama_cpp()
-
+        vocabulary projection of every other token is skipped (about 30 % of prefill time on small models). Each
+        chunk's rows are copied out of llama.cpp's output buffer (``llama_get_logits_ith``) ``block_rows`` at a
+        time as soon as that chunk is decoded. What the library holds meanwhile is its own: the output buffer of
+        one decode (at most n_batch rows x vocab float32) and llama-cpp-python's ``scores`` array (n_batch x vocab
+        float32 with logits_all=False, allocated but never written on this path)."""
         ids = [int(t) for t in ids]
         self._check_fits(len(ids))
         positions = [int(p) for p in positions]
-        rows: dict[int, list[int]] = {}
-        for row, p in enumerate(positions):
+        for p in positions:
             if not 0 <= p < len(ids):
                 raise ValueError(f"position {p} outside a sequence of {len(ids)} tokens")
-            rows.setdefault(p, []).append(row)
-        out = np.empty((len(positions), self.n_vocab), dtype=np.float32)
+        yield from in_position_order(positions, lambda wanted: self._ascending_blocks(ids, wanted))
+
+    def _ascending_blocks(self, ids: list[int], positions: list[int]) -> Iterator[np.ndarray]:
         llm, batch = self.llm, self.llm._batch
+        wanted = set(positions)
+        step = block_rows(self.n_vocab)
         llm.reset()
         llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        next_row = 0
         for start in range(0, len(ids), llm.n_batch):
             chunk = ids[start:start + llm.n_batch]
             batch.set_batch(chunk, n_past=start, logits_all=False)
             for i in range(len(chunk)):
-                batch.batch.logits[i] = (start + i) in rows
+                batch.batch.logits[i] = (start + i) in wanted
             batch.batch.logits[len(chunk) - 1] = True   # llama.cpp wants at least one output per batch
             llm._ctx.decode(batch)
-            for i in range(len(chunk)):
-                if start + i in rows:
-                    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, i)
-                    out[rows[start + i]] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+            stop = next_row
+            while stop < len(positions) and positions[stop] < start + len(chunk):
+                stop += 1
+            for a in range(next_row, stop, step):
+                yield self._output_rows([p - start for p in positions[a:min(a + step, stop)]])
+            next_row = stop
         llm.input_ids[: len(ids)] = ids
         llm.n_tokens = len(ids)
-        return out
+
+    def _output_rows(self, batch_rows: list[int]) -> np.ndarray:
+        """A float32 copy of the last decode's logits at ``batch_rows`` (indices into its batch)."""
+        llama_cpp = load_llama_cpp()
+
+        block = np.empty((len(batch_rows), self.n_vocab), dtype=np.float32)
+        for r, i in enumerate(batch_rows):
+            block[r] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, i),
+                                             shape=(self.n_vocab,))
+        return block
 
     def tokenize(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)

@@ -24,7 +24,7 @@ from pipeline.infra.code_version import code_version
 from pipeline.runtimes import load_runtime
 from pipeline.runtimes.base import decoding_key
 from pipeline.infra.stage_cache import Journal, journal_path, run_stage
-from pipeline.infra.files import read_jsonl, stable_hash, write_jsonl
+from pipeline.infra.files import read_json, read_jsonl, stable_hash, write_json, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +141,9 @@ def check_parity(cfg: Config, original: Original, f16_path: Path, f16_hash: str,
            "tokens": cfg.reference.parity_tokens, "flash_attn": cfg.runtime.flash_attn}
 
     def build(tmp: Path) -> dict:
-        from pipeline.measure.drift import kld_full
+        from pipeline.measure.drift import compare_chunks, logprob_chunks, paired, write_rows
         from pipeline.infra.gguf_file import gguf_metadata
 
-        gguf = load_runtime(f16_variant(), f16_path, cfg, n_ctx=max(cfg.reference.parity_tokens + 8, 512))
-        tokenizer = tokenizer_divergence(texts, renderer, gguf.tokenize)
-        tokenizer["gguf_pre_tokenizer"] = gguf_metadata(f16_path, "tokenizer.ggml.pre")
-        tokenizer["hf_pre_tokenizer"] = renderer.pre_tokenizer()
         stream = []
         for text in (t for suite_texts in texts.values() for t in suite_texts):
             stream += renderer.encode(text)
@@ -155,17 +151,31 @@ def check_parity(cfg: Config, original: Original, f16_path: Path, f16_hash: str,
                 break
         stream = stream[: cfg.reference.parity_tokens]
         positions = list(range(len(stream) - 1))
-        lp_gguf = gguf.logprobs(stream, positions)
-        gguf.close()
+        # One runtime loaded at a time (the two together would need both models' memory): the F16 file's logits
+        # go to disk as the float32 rows llama.cpp gave, then stream beside the original's.
+        spill = tmp / "f16-logits.npy"
+        gguf = load_runtime(f16_variant(), f16_path, cfg, n_ctx=max(cfg.reference.parity_tokens + 8, 512))
+        try:
+            tokenizer = tokenizer_divergence(texts, renderer, gguf.tokenize)
+            write_rows(spill, gguf.logit_blocks(stream, positions), len(positions))
+        finally:
+            gguf.close()
+        tokenizer["gguf_pre_tokenizer"] = gguf_metadata(f16_path, "tokenizer.ggml.pre")
+        tokenizer["hf_pre_tokenizer"] = renderer.pre_tokenizer()
         hf = load_runtime(VariantConfig(name="original"), original.checkpoint, cfg)
-        lp_hf = hf.logprobs(stream, positions)
-        hf.close()
-        kld = kld_full(lp_hf, lp_gguf)
+        try:
+            f16_rows = np.load(spill, mmap_mode="r")
+            cmp = compare_chunks(paired(hf.logprob_blocks(stream, positions), logprob_chunks([f16_rows])))
+            del f16_rows
+        finally:
+            hf.close()
+        spill.unlink()
+        kld = cmp["kld"]
         result = {
             "tokenizer": tokenizer,
             "f16_kld_mean": float(kld.mean()),
             "f16_kld_max": float(kld.max()),
-            "f16_top1_agreement": float((lp_hf.argmax(-1) == lp_gguf.argmax(-1)).mean()),
+            "f16_top1_agreement": float((cmp["argmax_a"] == cmp["argmax_b"]).mean()),
             "tokens": len(stream),
             "max_kld": cfg.reference.parity_max_kld,
         }
@@ -279,7 +289,7 @@ def reference_logprobs(cfg: Config, original: Original, suite: str, transcripts:
     """The original's top-K log-probs (+ the tail bucket and the log-prob of the token that came) at every reply
     token of the transcripts, teacher-forced on their exact ids on the hf runtime; (per conversation arrays, the
     stage's key hash). Resumable per conversation."""
-    from pipeline.measure.drift import topk_from_logprobs
+    from pipeline.measure.drift import topk_chunks
     from pipeline.runtimes import runtime_code
 
     out_dir = cfg.model_dir / "reference" / cfg.run.name / f"{suite}-logprobs"
@@ -298,13 +308,13 @@ def reference_logprobs(cfg: Config, original: Original, suite: str, transcripts:
                     if len(pos) == 0:
                         score_journal.add(tr["id"], None)
                         continue
-                    lp = hf.logprobs(tr["ids"], pos.tolist())
-                    ids, topk_lp, tail = topk_from_logprobs(lp, cfg.reference.top_k)
                     actual = np.asarray(tr["ids"])[pos + 1]
+                    # streamed: the log-softmax a chunk of rows at a time, its top-K kept per chunk
+                    ids, topk_lp, tail, actual_lp = topk_chunks(hf.logprob_blocks(tr["ids"], pos.tolist()),
+                                                                cfg.reference.top_k, actual)
                     score_journal.add(tr["id"], {
                         "topk_ids": ids.tolist(), "topk_lp": topk_lp.astype(np.float32).tolist(),
-                        "tail": tail.astype(np.float32).tolist(),
-                        "actual_lp": np.take_along_axis(lp, actual[:, None], axis=-1)[:, 0].astype(np.float32).tolist(),
+                        "tail": tail.astype(np.float32).tolist(), "actual_lp": actual_lp.astype(np.float32).tolist(),
                     })
             finally:
                 hf.close()
@@ -345,15 +355,23 @@ def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteRef
     reference (8 conversations per suite, K=1024): 7 % of positions, and the mean KLD goes from 0.983-0.988 of
     the exact one to 0.995-0.997 (Q8_0, Q4_K_M, Q4_0), at 4 bytes x vocabulary per kept row (float16 would halve
     that, but its 3 digits per log-prob read 1e-5 nats for a model against itself). A stage of its own beside the
-    reference, so that changing the threshold rescores but never regenerates a transcript."""
+    reference, so that changing the threshold rescores but never regenerates a transcript. Each conversation's
+    rows are one .npy file, written a chunk of rows at a time and read memory-mapped, so no conversation's rows
+    are ever held whole."""
+    import os
+    import shutil
+
+    from pipeline.measure.drift import write_rows
+
     tau = cfg.reference.exact_tail_mass
     if tau is None or tau >= 1.0:
         return ref
     out_dir = cfg.model_dir / "reference" / cfg.run.name / f"{ref.suite}-exact_rows"
-    key = {"logprobs": ref.scores_hash, "exact_tail_mass": tau, "dtype": "float32"}
+    # layout 2: one rows/<conversation hash>.npy per conversation (memory-mapped), not one rows.npz read whole
+    key = {"logprobs": ref.scores_hash, "exact_tail_mass": tau, "dtype": "float32", "layout": 2}
 
-    def rows_file(cid: str) -> Path:      # conversation ids are free text: the file is named by their hash
-        return journal_path(out_dir) / f"{stable_hash(cid)[:20]}.npy"
+    def file_name(cid: str) -> str:      # conversation ids are free text: the file is named by their hash
+        return f"{stable_hash(cid)[:20]}.npy"
 
     def picked(cid: str) -> np.ndarray:
         return np.flatnonzero(np.exp(ref.scores[cid]["tail"].astype(np.float64)) > tau)
@@ -362,33 +380,42 @@ def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteRef
         done = Journal(out_dir, "rows", key)
         todo = [tr for tr in ref.transcripts if tr["id"] in ref.scores and tr["id"] not in done
                 and len(picked(tr["id"]))]
+        work = journal_path(out_dir)
         if todo:
             hf = load_runtime(VariantConfig(name="original"), original.checkpoint, cfg)
             try:
                 for tr in tqdm(todo, desc=f"reference {ref.suite} exact rows", unit="conv"):
                     idx = picked(tr["id"])
-                    lp = hf.logprobs(tr["ids"], ref.scores[tr["id"]]["pos"][idx].tolist()).astype(np.float32)
-                    np.save(rows_file(tr["id"]), lp)
+                    part = work / (file_name(tr["id"]) + ".part")
+                    write_rows(part, hf.logprob_blocks(tr["ids"], ref.scores[tr["id"]]["pos"][idx].tolist()),
+                               len(idx), np.float32)
+                    os.replace(part, work / file_name(tr["id"]))
                     done.add(tr["id"], {"rows": len(idx)})
             finally:
                 hf.close()
-        arrays, kept, total = {}, 0, 0
+        (tmp / "rows").mkdir()
+        index, kept, total = {}, 0, 0
         for tr in ref.transcripts:
             if tr["id"] not in ref.scores:
                 continue
             idx = picked(tr["id"])
             total += len(ref.scores[tr["id"]]["pos"])
             if len(idx):
-                arrays[f"{tr['id']}|idx"] = idx.astype(np.int32)
-                arrays[f"{tr['id']}|lp"] = np.load(rows_file(tr["id"]))
+                name = file_name(tr["id"])
+                try:        # the work folder is on the same file system: a link, not a copy of the rows
+                    os.link(work / name, tmp / "rows" / name)
+                except OSError:
+                    shutil.copyfile(work / name, tmp / "rows" / name)
+                index[tr["id"]] = {"file": name, "idx": idx.tolist()}
                 kept += len(idx)
-        with open(tmp / "rows.npz", "wb") as fh:
-            np.savez(fh, **arrays)      # uncompressed: float32 log-probs hardly compress, and zlib took ~12 s a run
-        return {"rows": kept, "positions": total, "bytes": (tmp / "rows.npz").stat().st_size}
+        write_json(tmp / "rows.json", index)
+        size = sum(f.stat().st_size for f in (tmp / "rows").iterdir())
+        return {"rows": kept, "positions": total, "bytes": size}
 
     manifest = run_stage(f"reference:{ref.suite}:exact_rows", out_dir, key, build, force=cfg.force)
-    rows = _by_conversation(out_dir / "rows.npz")
+    index = read_json(out_dir / "rows.json")
+    rows = {cid: (np.asarray(e["idx"], dtype=np.int64), np.load(out_dir / "rows" / e["file"], mmap_mode="r"))
+            for cid, e in index.items()}
     log.info("reference %s: exact rows at %d of %d positions (tail mass > %g), %.1f MB", ref.suite,
              manifest["rows"], manifest["positions"], tau, manifest["bytes"] / 1e6)
-    return replace(ref, rows={cid: (r["idx"].astype(np.int64), r["lp"]) for cid, r in rows.items()},
-                   rows_hash=manifest["key_hash"])
+    return replace(ref, rows=rows, rows_hash=manifest["key_hash"])

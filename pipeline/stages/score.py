@@ -36,11 +36,11 @@ def teacher_forced(runtime, ref: SuiteReference, top_k: int) -> dict[str, dict]:
             continue
         rows, ref_rows = ref.rows.get(tr["id"], (np.empty(0, dtype=np.int64), None))
         cand = np.concatenate([s["topk_ids"].astype(np.int64), np.asarray(tr["ids"])[s["pos"] + 1][:, None]], axis=1)
-        scores = runtime.score(tr["ids"], s["pos"].tolist(), cand, full_rows=rows)
+        scores = runtime.score(tr["ids"], s["pos"].tolist(), cand, full_rows=rows, full_ref=ref_rows)
         lp, argmax = scores.logprobs, scores.argmax
         kld = metrics.kld_topk_tail(s["topk_lp"], s["tail"], lp[:, :top_k])
         if len(rows):
-            kld[rows] = metrics.kld_full(ref_rows, scores.full)
+            kld[rows] = scores.kld_full
         out[tr["id"]] = {
             "kld": kld.astype(np.float32).tolist(),
             "exact_rows": rows.tolist(),
@@ -87,15 +87,15 @@ def exact_sample_logprobs(cfg: Config, original: Original, ref: SuiteReference,
     def build(tmp: Path) -> dict:
         tr, idx = exact_sample(ref, n)
         hf = load_runtime(VariantConfig(name="original"), original.checkpoint, cfg)
-        try:
-            lp = hf.logprobs(tr["ids"], ref.scores[tr["id"]]["pos"][idx].tolist())
+        try:      # written a chunk of rows at a time, read back memory-mapped
+            rows = hf.logprob_blocks(tr["ids"], ref.scores[tr["id"]]["pos"][idx].tolist())
+            metrics.write_rows(tmp / "logprobs.npy", rows, len(idx), np.float64)
         finally:
             hf.close()
-        np.save(tmp / "logprobs.npy", np.asarray(lp, dtype=np.float64))
         return {"sample": f"{ref.suite}/{tr['id']}", "tokens": int(len(idx))}
 
     run_stage(f"reference:{ref.suite}:exact_sample", out_dir, key, build, force=cfg.force)
-    return np.load(out_dir / "logprobs.npy")
+    return np.load(out_dir / "logprobs.npy", mmap_mode="r")
 
 
 def kld_exactness(variant_rt, lp_ref: np.ndarray, ref: SuiteReference, n: int = EXACT_SAMPLE_TOKENS) -> dict:
@@ -110,17 +110,28 @@ def kld_exactness(variant_rt, lp_ref: np.ndarray, ref: SuiteReference, n: int = 
     if lp_ref.shape[0] != len(idx):
         raise ValueError(f"kld_exactness: {lp_ref.shape[0]} rows of the original's log-probs for a sample of "
                          f"{len(idx)} positions ({ref.suite}/{tr['id']})")
-    lp_var = variant_rt.logprobs(tr["ids"], pos.tolist())
-    exact = metrics.kld_full(lp_ref, lp_var)
     ids = s["topk_ids"][idx].astype(np.int64)
-    bucket = metrics.kld_topk_tail(s["topk_lp"][idx], s["tail"][idx], np.take_along_axis(lp_var, ids, axis=1))
-    stored = bucket.copy()
     rows, ref_rows = ref.rows.get(tr["id"], (np.empty(0, dtype=np.int64), None))
     at = {int(r): j for j, r in enumerate(rows)}
     hit = [(i, at[int(r)]) for i, r in enumerate(idx) if int(r) in at]
+    mine, theirs = (np.array(x, dtype=np.int64) for x in zip(*hit)) if hit else (np.empty(0, dtype=np.int64),) * 2
+    # streamed: both full distributions a chunk of rows at a time (the original's stored rows memory-mapped)
+    exact = np.empty(len(idx))
+    var_at_ids = np.empty(ids.shape)
+    at_rows = np.empty(len(mine))
+    start = 0
+    for lr, lv in metrics.paired(metrics.stored_chunks(lp_ref), variant_rt.logprob_blocks(tr["ids"], pos.tolist())):
+        stop = start + len(lv)
+        exact[start:stop] = metrics.kld_full(lr, lv)
+        var_at_ids[start:stop] = np.take_along_axis(lv, ids[start:stop], axis=1)
+        here = np.flatnonzero((mine >= start) & (mine < stop))
+        if len(here):
+            at_rows[here] = metrics.kld_full(ref_rows[theirs[here]], lv[mine[here] - start])
+        start = stop
+    bucket = metrics.kld_topk_tail(s["topk_lp"][idx], s["tail"][idx], var_at_ids)
+    stored = bucket.copy()
     if hit:
-        mine, theirs = (np.array(x) for x in zip(*hit))
-        stored[mine] = metrics.kld_full(ref_rows[theirs], lp_var[mine])
+        stored[mine] = at_rows
     e, st, b = float(exact.mean()), float(stored.mean()), float(bucket.mean())
     return {"sample": f"{ref.suite}/{tr['id']}", "tokens": int(len(idx)), "top_k": int(ids.shape[1]),
             "exact_rows": len(hit), "kld_exact_mean": e, "kld_stored_mean": st, "ratio": (st / e) if e > 0 else None,
