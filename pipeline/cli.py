@@ -8,6 +8,7 @@
     quantdrift corpus variant=NAME file=PATH ctx=512 [json=true]
     quantdrift calibration [calibration_sweep.variants=[...]] [calibration_sweep.samples=[...]]
     quantdrift load run.variants=[...] [load=short|full] [workload=chat|batch]   served load sweep
+    quantdrift plan [model=...|model.source=...] [run.variants=[...]] [plan.compare=true]   cost before any work
 
 Exit codes: 0 done; 2 bad input or configuration (the message says which and what was expected);
 3 the run finished but at least one variant failed (the report lists it).
@@ -101,6 +102,17 @@ def _prepare(cfg: Config) -> int:
     return 0
 
 
+def _plan(cfg: Config) -> int:
+    if cfg.plan.compare:
+        from pipeline.stages.plan_compare import compare_run
+
+        print(compare_run(cfg))
+        return 0
+    from pipeline.stages.plan import run_plan
+
+    return run_plan(cfg)
+
+
 def _load(cfg: Config) -> int:
     from pipeline.measure.served_load import format_load
     from pipeline.stages.load import run_load
@@ -117,7 +129,7 @@ def _load(cfg: Config) -> int:
 # command -> what runs it (Config.COMMANDS lists the same names; a test checks they agree)
 COMMANDS = {"evaluate": _evaluate, "report": _report, "regress": _regress, "baseline": _baseline,
             "corpus": _corpus, "bench": _bench, "prepare": _prepare, "calibration": _calibration,
-            "load": _load}
+            "load": _load, "plan": _plan}
 
 
 def run(cfg: Config) -> int:

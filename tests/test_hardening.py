@@ -42,7 +42,7 @@ def test_truncated_safetensors_is_named(tmp_path, tiny_llama):
 def test_truncated_gguf_source_is_named(tmp_path, embedded_gguf):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(embedded_gguf.read_bytes()[:4096])
-    with pytest.raises(ConfigError, match="could not load GGUF"):
+    with pytest.raises(ConfigError, match=r"model.source: could not (load GGUF|read the GGUF metadata of) .*broken.gguf"):
         run(compose([f"model.source={bad}", f"paths.artifacts={tmp_path / 'a'}", "variant=original"]))
 
 
@@ -132,8 +132,13 @@ def test_a_full_disk_stops_before_quantizing(tmp_path, tiny_llama, monkeypatch):
     assert run(_cfg(tiny_llama, tmp_path, "variant=original")) == 0
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**12, 10**12 - 1000, 1000))
-    with pytest.raises(ConfigError, match="not enough free disk space for quantizing gguf_q8_0"):
+    # the plan made before any work refuses first, naming the variant and the disk figures
+    with pytest.raises(ConfigError, match=r"does not fit this machine .*variants gguf_q8_0.*disk: .*Nothing was "
+                                          r"computed"):
         run(_cfg(tiny_llama, tmp_path, "variant=gguf_q8_0"))
+    # without it (plan.check=false) the quantizer's own check still stops before writing
+    with pytest.raises(ConfigError, match="not enough free disk space for quantizing gguf_q8_0"):
+        run(_cfg(tiny_llama, tmp_path, "variant=gguf_q8_0", "plan.check=false"))
     monkeypatch.undo()
     assert (tmp_path / "artifacts" / "tiny" / "runs" / "smoke" / "original" / "manifest.json").is_file()
 
@@ -210,3 +215,4 @@ def test_unknown_config_values_and_cli_input_exit_2():
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "kv_cache=int9"], capture_output=True, text=True,
                          timeout=60, cwd=PROJECT_ROOT)
     assert out.returncode == EXIT_BAD_INPUT and "int8" in out.stdout + out.stderr
+

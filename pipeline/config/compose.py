@@ -10,8 +10,9 @@ from pipeline.config.settings import build_settings as _build
 from pipeline.config.settings import one_of as _one_of
 from pipeline.config.commands import (BenchConfig, CalibrationSweepConfig, CapacityConfig, CorpusConfig, DecisionConfig,
                                       LoadConfig, RegressConfig, WorkloadConfig)
-from pipeline.config.schema import (PROJECT_ROOT, Config, KVCacheConfig, ModelConfig, PathsConfig, ProfileConfig,
-                                    ReferenceConfig, RunSection, RuntimeConfig, SuiteConfig, VariantConfig)
+from pipeline.config.schema import (PROJECT_ROOT, Config, KVCacheConfig, ModelConfig, PathsConfig, PlanConfig,
+                                    ProfileConfig, ReferenceConfig, RunSection, RuntimeConfig, SuiteConfig,
+                                    VariantConfig)
 
 
 def validate_variant(variant: VariantConfig) -> VariantConfig:
@@ -57,7 +58,7 @@ def from_dict(raw: dict) -> Config:
         "reference": ReferenceConfig, "decision": DecisionConfig, "paths": PathsConfig, "run": RunSection,
         "corpus": CorpusConfig, "kv_cache": KVCacheConfig, "capacity": CapacityConfig, "regress": RegressConfig,
         "bench": BenchConfig, "calibration_sweep": CalibrationSweepConfig, "load": LoadConfig,
-        "workload": WorkloadConfig,
+        "workload": WorkloadConfig, "plan": PlanConfig,
     }
     built = {key: _build(cls, raw.pop(key, None), key) for key, cls in sections.items()}
     built["variant"] = apply_kv_cache(validate_variant(built["variant"]), built["kv_cache"])

@@ -250,6 +250,22 @@ class PathsConfig:
 
 
 @dataclass
+class PlanConfig:
+    """`quantdrift plan` and the check every run makes before any work (pipeline.stages.plan); the headroom kept
+    free is capacity.headroom."""
+
+    check: bool = True        # refuse a run whose disk or memory does not fit this machine (false: run anyway)
+    compare: bool = False     # set a finished run's plan beside what it measured
+    measured: str = ""        # that run's folder (results/<model>/<run>); "": results/<model>/<run.name>
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.check, bool), "plan.check", self.check, "true or false")
+        _require(isinstance(self.compare, bool), "plan.compare", self.compare, "true or false")
+        _require(isinstance(self.measured, str), "plan.measured", self.measured,
+                 "a results run folder (results/<model>/<run>) or empty")
+
+
+@dataclass
 class RunSection:
     name: str = ""                         # results/<model>/<run>; defaults to the profile name
     suites: list[str] = field(default_factory=lambda: ["long_output", "multi_turn"])
@@ -276,10 +292,12 @@ class Config:
     calibration_sweep: CalibrationSweepConfig = field(default_factory=CalibrationSweepConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     force: bool = False
     seed: int = 0
 
-    COMMANDS = ("evaluate", "report", "regress", "baseline", "corpus", "bench", "prepare", "calibration", "load")
+    COMMANDS = ("evaluate", "report", "regress", "baseline", "corpus", "bench", "prepare", "calibration", "load",
+                "plan")
 
     def __post_init__(self) -> None:
         _one_of("command", self.command, self.COMMANDS)

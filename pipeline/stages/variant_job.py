@@ -157,6 +157,9 @@ def evaluate_job(cfg: Config) -> dict:
     from pipeline.infra.errors import Skip
     from pipeline.stages.quantize import build_artifact
 
+    from pipeline.stages.plan import refuse_unless_fits
+
+    refuse_unless_fits(cfg)     # before any work: disk or memory that cannot fit stops here (plan.check=false: go on)
     started = time.time()
     variant = cfg.variant
     base = {"variant": variant.name, "runtime": variant.runtime, "quantizer": variant.quantizer,

@@ -1,0 +1,9 @@
+# `make plan [MODEL=...] [VARIANTS=...] [PROFILE=...]`: what the comparison will cost before any work: disk, peak host
+# and device memory and time per stage and variant, against this machine's free disk and memory (exit 2 when it does
+# not fit). `make plan-compare`: a finished run's plan beside what it measured (RUN= its name, default the profile).
+.PHONY: plan plan-compare
+plan: setup
+	$(VENV)/bin/quantdrift plan run.variants=[$(VARIANTS)] $(COMMON)
+
+plan-compare: setup
+	$(VENV)/bin/quantdrift plan plan.compare=true run.name=$(or $(RUN),$(PROFILE)) $(COMMON)

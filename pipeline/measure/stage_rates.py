@@ -1,0 +1,233 @@
+"""Each stage's time, from earlier measured runs scaled to the planned one, or with a short calibration.
+
+A measured run is a ``summary.json`` under paths.results (its stage times: references per suite, per variant
+free-running and scoring, the run's speed and load stages, each artifact's quantization) plus, where its
+artifacts are still on disk, the stage manifests the summary does not carry (prepare, the F16 conversion, parity,
+the dequantized stand-ins, the original's own free-running baseline). A planned stage takes the time of the same
+stage of the same variant (else of the measured variant of the same weight kind with the nearest size), scaled by
+the ratio of weight bytes (decode reads every weight once per token) and of token budgets (the suites' capped
+reply budgets under each run's profile). A run from this CPU (the same instruction-set key) is used as it is; one
+from another machine is scaled by the ratio of memory bandwidths, this machine's measured now in about a second:
+the short calibration.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MeasuredRun:
+    label: str                      # results/<model>/<run>
+    model: str
+    run: str
+    profile: str
+    suites: list[str]
+    params: int
+    cpu_key: str | None
+    cpu: str
+    bandwidth_bytes_per_s: float | None
+    variants: dict                  # name -> {"bytes", "kind", "runtime", "calibration_tokens"}
+    walls: dict = field(default_factory=dict)      # (stage, key) -> seconds
+    peaks_mb: dict = field(default_factory=dict)   # (stage, key) -> MB measured
+    speed_labels: int = 1
+    load_variants: int = 1
+    reply_budget: dict | None = None                # suite -> budget under its profile (filled by the planner)
+
+
+def _kind(v: dict) -> str:
+    """The weight kind as the planner names it (stage_plan.time_kind): ggml, original, packed:<method>."""
+    art = v.get("artifact") or {}
+    if art.get("gguf_type"):
+        return "ggml"
+    if art.get("format") in (None, "hf-safetensors"):
+        return "original"
+    return f"packed:{(art.get('quantize_settings') or {}).get('method', art.get('format'))}"
+
+
+def _generated_on_gguf(v: dict) -> bool:
+    """Its replies came from a GGUF file (its own, or the dequantized stand-in's)."""
+    return bool((v.get("artifact") or {}).get("gguf_type")) or "GGUF" in str((v.get("paths") or {}).get("free_running"))
+
+
+def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
+    from pipeline.infra.files import read_json
+    from pipeline.infra.stage_cache import load_manifest
+
+    try:
+        s = read_json(summary_path)
+    except (OSError, ValueError):
+        return None
+    st = s.get("stage_times") or {}
+    if not st or not (s.get("model") or {}).get("params"):
+        return None
+    model, run = s["model"]["name"], s["run"]["name"]
+    variants = {}
+    for name, v in (s.get("variants") or {}).items():
+        if v.get("status") != "ok":
+            continue
+        art = v.get("artifact") or {}
+        cal = (art.get("quantize_settings") or {}).get("calibration") or {}
+        variants[name] = {"bytes": (v.get("memory") or {}).get("artifact_bytes"), "kind": _kind(v),
+                          "generates": "ggml" if _generated_on_gguf(v) else _kind(v),
+                          "runtime": v.get("runtime"), "base": name.split("+", 1)[0],
+                          "calibration_tokens": (cal.get("samples") or 0) * (cal.get("seq_len") or 0) or None}
+    mr = MeasuredRun(label=f"{summary_path.parent.parent.name}/{summary_path.parent.name}", model=model, run=run,
+                     profile=s["run"].get("profile") or run, suites=list(s["run"].get("suites") or []),
+                     params=int(s["model"]["params"]), cpu_key=(s.get("hardware") or {}).get("cpu_key"),
+                     cpu=(s.get("hardware") or {}).get("cpu") or "?",
+                     bandwidth_bytes_per_s=(s.get("bandwidth") or {}).get("bytes_per_s"), variants=variants)
+    for suite, sec in (st.get("references_s") or {}).items():
+        mr.walls[("reference", suite)] = sec
+    for name, row in (st.get("variants_s") or {}).items():
+        if row.get("free_running") is not None:
+            mr.walls[("evaluate", name)] = row["free_running"]
+        mr.walls[("score", name)] = (row.get("scoring") or 0) + (row.get("checks") or 0) + (row.get("deployment") or 0)
+    order = (s.get("speed_protocol") or {}).get("order") or [[]]
+    mr.speed_labels = max(1, len(order[0]))
+    served = [n for n, v in ((s.get("load") or {}).get("variants") or {}).items() if v.get("status") == "ok"]
+    mr.load_variants = max(1, len(served))
+    for stage, key in (("speed", "speed"), ("load", "load")):
+        if (st.get("run_s") or {}).get(key) is not None:
+            mr.walls[(stage, "*")] = st["run_s"][key]
+    for name, v in (s.get("variants") or {}).items():
+        art, mem = v.get("artifact") or {}, v.get("memory") or {}
+        if art.get("quantize_wall_s") is not None:
+            mr.walls[("quantize", name.split("+", 1)[0])] = art["quantize_wall_s"]
+        if art.get("quantize_peak_rss_mb") is not None:
+            mr.peaks_mb[("quantize", name.split("+", 1)[0])] = art["quantize_peak_rss_mb"]
+        if mem.get("peak_rss_mb") is not None:
+            mr.peaks_mb[("speed", name)] = mem["peak_rss_mb"]
+    # the stages the summary leaves out, from their manifests where the run's artifacts are still on disk
+    md = Path(artifacts) / model
+
+    def wall(folder: Path) -> float | None:
+        m = load_manifest(folder)
+        return float(m["wall_s"]) if m and m.get("wall_s") is not None else None
+
+    for stage, folder in (("prepare", md / "original"), ("convert_f16", md / "gguf-f16"), ("parity", md / "parity")):
+        if (w := wall(folder)) is not None:
+            mr.walls[(stage, "-")] = w
+    for base in {v["base"] for v in variants.values()}:
+        parts = [wall(md / "variants" / f"{base}{suffix}") for suffix in (".dequantized", ".dequantized-f16")]
+        if any(p is not None for p in parts):
+            mr.walls[("standin", base)] = sum(p or 0 for p in parts)
+    for folder in sorted((md / "runs" / run).glob("original@*")):
+        if (w := wall(folder)) is not None:
+            mr.walls[("baseline", folder.name.split("@", 1)[1])] = w
+    return mr
+
+
+def find_runs(results: Path, artifacts: Path, exclude: str | None = None) -> list[MeasuredRun]:
+    """Every finished run under ``results`` (results/<model>/<run>/summary.json), ``exclude`` (a label) left out."""
+    runs = []
+    for path in sorted(Path(results).glob("*/*/summary.json")):
+        mr = read_run(path, artifacts)
+        if mr and mr.label != exclude:
+            runs.append(mr)
+    return runs
+
+
+def choose_run(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> MeasuredRun | None:
+    """The same model's run on this CPU first, then any run on this CPU, then any run (the most stages first)."""
+    def rank(r: MeasuredRun):
+        return (r.cpu_key == cpu_key and cpu_key is not None, r.model == model, len(r.walls))
+
+    return max(runs, key=rank) if runs else None
+
+
+def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measure=None) -> tuple[float, str]:
+    """(multiplier, what it rests on): 1 on the run's own CPU; else the run's bandwidth / this machine's now."""
+    if mr.cpu_key and mr.cpu_key == cpu_key:
+        return 1.0, f"measured here ({mr.label}, same CPU key {cpu_key})"
+    if not mr.bandwidth_bytes_per_s:
+        return 1.0, f"measured on another CPU ({mr.label}: {mr.cpu}), not rescaled (it recorded no bandwidth)"
+    if measure is None:
+        from pipeline.measure.bandwidth import measure_bandwidth
+
+        def measure():
+            return measure_bandwidth("cpu", mib=128, repeats=3, threads=threads)["bytes_per_s"]
+    here = measure()
+    factor = mr.bandwidth_bytes_per_s / here
+    return factor, (f"calibration: {mr.label} ({mr.cpu}, {mr.bandwidth_bytes_per_s / 1e9:.1f} GB/s) rescaled by "
+                    f"this machine's bandwidth measured now ({here / 1e9:.1f} GB/s)")
+
+
+@dataclass
+class TimeModel:
+    """Scales a measured run's stage times to the planned run."""
+
+    run: MeasuredRun
+    factor: float
+    basis: str
+    plan_budget: dict                     # suite -> reply-token budget of the planned run
+    leave_out: bool = False               # never a variant's own measurement (a run compared with itself)
+
+    def _tokens(self, suites: list[str] | None = None) -> float:
+        """Planned reply-token budget over the measured run's (a suite it did not have: against all it had)."""
+        mb = self.run.reply_budget or {}
+        suites = suites or list(self.plan_budget)
+        plan = sum(self.plan_budget.get(s, 0) for s in suites)
+        meas = sum(mb[s] for s in suites if s in mb) or sum(mb.values())
+        return plan / meas if meas else 1.0
+
+    def _match(self, stage: str, name: str, kind: str, nbytes: float) -> tuple[str, float] | None:
+        """(measured variant, its wall) for this stage: the same variant, else the same kind with the nearest
+        size (then the time scales by the byte ratio). Free-running matches on where the replies come from."""
+        field_ = "generates" if stage == "evaluate" else "kind"
+        if (stage, name) in self.run.walls and not self.leave_out:
+            return name, self.run.walls[(stage, name)]
+        # a variant that reused the reference (0 s) says nothing about generating
+        usable = {n: v for n, v in self.run.variants.items() if (stage, n) in self.run.walls and v["bytes"]
+                  and self.run.walls[(stage, n)] and not (self.leave_out and n in (name, name.split("+")[0]))}
+        same = [(abs(v["bytes"] - nbytes), n) for n, v in usable.items() if v[field_] == kind]
+        if not same:
+            same = [(abs(v["bytes"] - nbytes), n) for n, v in usable.items()]
+        if not same:
+            return None
+        n = min(same)[1]
+        return n, self.run.walls[(stage, n)]
+
+    def estimate(self, stage: str, name: str, kind: str, nbytes: float, suites: list[str] | None = None,
+                 params: int | None = None, extra: float = 1.0) -> tuple[float | None, str]:
+        """(seconds, basis) of ``stage`` for the planned variant ``name``."""
+        run = self.run
+        if stage in ("prepare", "convert_f16", "parity", "standin", "baseline"):
+            # shared stages, and those of one variant with nothing comparable beside them: their own measurement
+            walls = [w for (s, k), w in run.walls.items() if s == stage and k in ("-", name)] or \
+                [w for (s, _), w in run.walls.items() if s == stage]
+            if not walls:
+                return None, f"no {stage} stage measured in {run.label}"
+            ratio = (params or run.params) / run.params * (self._tokens() if stage == "baseline" else 1.0)
+            return walls[0] * ratio * self.factor, f"{run.label} x{ratio:.2g} (params{' x tokens' * (stage == 'baseline')})"
+        if stage == "reference":
+            own = (stage, suites[0]) in run.walls
+            walls = [run.walls[(stage, suites[0])]] if own else [w for (s, _), w in run.walls.items()
+                                                                 if s == "reference"]
+            if not walls:
+                return None, f"no reference stage in {run.label}"
+            mb = run.reply_budget or {}
+            meas = mb.get(suites[0]) if own else sum(mb.values())
+            ratio = (params or run.params) / run.params * (self.plan_budget.get(suites[0], 0) / meas if meas else 1.0)
+            return sum(walls) * ratio * self.factor, f"{run.label} x{ratio:.2g} (params x tokens)"
+        if stage in ("speed", "load"):
+            if (stage, "*") not in run.walls:
+                return None, f"no {stage} stage in {run.label}"
+            per = run.walls[(stage, "*")] / (run.speed_labels if stage == "speed" else run.load_variants)
+            ref = self._match("score", name, kind, nbytes)
+            ratio = nbytes / (run.variants[ref[0]]["bytes"] or nbytes) if ref else 1.0
+            return per * ratio * extra * self.factor, f"{run.label} per variant x{ratio * extra:.2g} (bytes)"
+        found = self._match(stage, name, kind, nbytes)
+        if found is None:
+            return None, f"no {stage} stage of a comparable variant in {run.label}"
+        other, wall = found
+        ratio = nbytes / (run.variants.get(other, {}).get("bytes") or nbytes)
+        if stage in ("evaluate", "score", "baseline"):
+            ratio *= self._tokens()
+        ratio *= extra
+        via = "" if other == name else f" via {other}"
+        return wall * ratio * self.factor, f"{run.label}{via} x{ratio:.2g}"

@@ -1,0 +1,327 @@
+"""What a run will cost, before any work: ``quantdrift plan`` and the check at the start of every run.
+
+From the model's shapes alone (``pipeline.measure.model_inventory``) and the run's variants, suites and profile:
+each stage's disk, peak host and device memory (``pipeline.measure.stage_plan``) and time
+(``pipeline.measure.stage_rates``), then the totals against this machine's free disk (the artifacts folder's
+filesystem) and memory (MemAvailable, or the cgroup's limit when lower) with ``capacity.headroom`` kept free. A
+run that does not fit is refused naming the numbers (exit 2); ``plan.check=false`` runs it anyway.
+``plan.compare=true`` sets a finished run's plan beside what it measured instead (``pipeline.stages.plan_compare``).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from pipeline.infra.errors import ConfigError
+from pipeline.measure.footprint import MIB, Footprint
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_free(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Memory the cgroup still allows (limit - usage), v2 then v1; None without a limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = (root / limit_file).read_text().strip()
+            if limit == "max" or int(limit) >= 1 << 60:
+                continue
+            return int(limit) - int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def machine_free(cfg, on_device: bool) -> dict:
+    """This machine's free disk under paths.artifacts, available host memory and (on a GPU) free device memory."""
+    probe = Path(cfg.paths.artifacts)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    mem, cg = _meminfo_available(), _cgroup_free()
+    memory, source = mem, "MemAvailable"
+    if cg is not None and (mem is None or cg < mem):
+        memory, source = cg, "the cgroup's memory limit less its usage"
+    free = {"disk_bytes": shutil.disk_usage(probe).free, "disk_path": str(probe), "memory_bytes": memory,
+            "memory_source": source, "device_bytes": None}
+    if on_device:
+        import torch
+
+        free["device_bytes"] = torch.cuda.mem_get_info(_device_index(cfg.runtime.device))[0]
+    return free
+
+
+def _device_index(device: str) -> int:
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
+def _on_device(cfg) -> bool:
+    """Whether the run's transformers stages use a GPU; a CUDA device torch cannot see is named here, before any
+    work (the runtime's own check)."""
+    from pipeline.runtimes.hf import resolve_device
+
+    return cfg.runtime.device != "cpu" and resolve_device(cfg.runtime.device).startswith("cuda")
+
+
+def plan_variants(cfg) -> list:
+    from pipeline.config.compose import variant_of
+
+    return [variant_of(cfg, name) for name in (cfg.run.variants or [cfg.variant.name])]
+
+
+def _built(folder: Path) -> bool:
+    from pipeline.infra.stage_cache import load_manifest
+
+    return load_manifest(folder) is not None
+
+
+def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclude_run: str | None = None,
+               inventory=None, workload=None, leave_out: bool = False) -> dict:
+    """The stages of a run (every variant of ``variants``, default the run's) with their footprints and the
+    totals of what is still to be built. ``exclude_run``: a measured run not to take times from; ``leave_out``:
+    never take a variant's time from its own measurement (a run compared with itself)."""
+    from pipeline.measure.model_inventory import model_inventory
+    from pipeline.measure.stage_plan import StagePlanner, Workload, time_kind, weight_kind
+    from pipeline.stages.prepare import classify_source
+    from pipeline.stages.reference import f16_variant
+
+    variants = variants if variants is not None else plan_variants(cfg)
+    inv = inventory or model_inventory(cfg)
+    work = workload or Workload.of(cfg)
+    on_device = _on_device(cfg)
+    sp = StagePlanner(cfg, inv, work, on_device)
+    md, run = cfg.model_dir, cfg.model_dir / "runs" / cfg.run.name
+    original = next((v for v in variants if weight_kind(v) == "original" and not v.runtime_options.get("kv_cache")),
+                    None) or plan_original(cfg)
+    f16 = f16_variant()
+    producer = f16 if cfg.reference.runtime in ("auto", "gguf_f16") else original
+    rows: list[Footprint] = []
+
+    def add(fp: Footprint, folder: Path | None, kind: str = "", nbytes: float = 0.0, **time_args) -> None:
+        fp.exists = bool(folder is not None and _built(folder))
+        fp.time_args = {"kind": kind, "nbytes": nbytes, **time_args}
+        rows.append(fp)
+
+    params = inv.params
+    add(sp.prepare(classify_source(cfg.model.source)[0]), md / "original", "original", sp.original_bytes(),
+        params=params)
+    add(sp.convert_f16(), md / "gguf-f16", "ggml", sp.gguf("F16")["bytes"], params=params)
+    add(sp.parity(original, f16), md / "parity", "original", sp.original_bytes(), params=params)
+    for suite in work.per_suite:
+        add(sp.reference(suite, producer, original), md / "reference" / cfg.run.name / f"{suite}-logprobs",
+            "ggml", sp.gguf("F16")["bytes"], suites=[suite], params=params)
+    baseline_needed = False
+    bases_done: set[str] = set()
+    for v in variants:
+        kind = weight_kind(v)
+        nbytes = sp.artifact_bytes(v)
+        if kind != "original" and v.base not in bases_done:
+            bases_done.add(v.base)
+            add(sp.quantize(v), md / "variants" / v.base, time_kind(v), nbytes, extra=_calibration_ratio(v),
+                params=params)
+            if sp.standin(v):
+                add(sp.standin_stage(v), md / "variants" / f"{v.base}.dequantized", kind, nbytes, params=params)
+        reuses = (v.name == original.name and not v.runtime_options.get("kv_cache")) or v.name == producer.name
+        generated_on = producer.runtime if (reuses or sp.standin(v)) else v.runtime
+        baseline_needed |= generated_on != producer.runtime
+        add(sp.evaluate(v, reuses_reference=reuses), run / v.name, time_kind(v, "evaluate"), nbytes)
+        add(sp.score(v), run / f"{v.name}.scores", time_kind(v), nbytes)
+        add(sp.speed(v), None, time_kind(v), nbytes, extra=_probe_ratio(cfg))
+        if v.runtime in cfg.load.runtimes and not v.runtime_options.get("kv_cache"):
+            add(sp.load(v), None, time_kind(v), nbytes)
+    if baseline_needed and original.runtime != producer.runtime:
+        fp = sp.evaluate(original, name=f"original@{original.runtime}")
+        fp.stage = "baseline"
+        add(fp, run / f"original@{original.runtime}", "original", sp.original_bytes(), key=original.runtime,
+            params=params)
+    plan = {"model": cfg.model.name, "source": inv.source, "params": params, "facts": inv.facts, "run": cfg.run.name,
+            "variants": [v.name for v in variants], "on_device": on_device, "workload": work.__dict__,
+            "rows": rows, "time_basis": None}
+    if with_times:
+        _add_times(cfg, plan, sp, exclude_run, leave_out)
+    plan["totals"] = totals(rows)
+    return plan
+
+
+def plan_original(cfg):
+    from pipeline.config.compose import load_variant
+
+    return load_variant("original")
+
+
+def _calibration_ratio(v) -> float:
+    """A GPTQ/AWQ quantization's calibration tokens against the default recipe's 64 x 256 (its time grows with
+    them); 1 for other quantizers."""
+    cal = (v.quantize or {}).get("calibration") or {}
+    if not (v.quantize or {}).get("bits"):
+        return 1.0
+    return (int(cal.get("samples", 64)) * int(cal.get("seq_len", 256))) / (64 * 256)
+
+
+def _probe_ratio(cfg) -> float:
+    """The speed stage's work per variant against the quick profile's (10 trials of 256 + 64 tokens)."""
+    s = cfg.profile.speed
+    return (s.trials * s.repeats * (s.prompt_tokens / 8 + s.decode_tokens)) / (10 * (256 / 8 + 64))
+
+
+def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = False) -> None:
+    from pipeline.infra.stage_cache import hardware
+    from pipeline.measure.stage_rates import TimeModel, calibration_factor, choose_run, find_runs
+
+    runs = find_runs(Path(cfg.paths.results), Path(cfg.paths.artifacts), exclude=exclude_run)
+    key = hardware().get("cpu_key")
+    mr = choose_run(runs, cfg.model.name, key)
+    if mr is None:
+        plan["time_basis"] = ("no measured run under paths.results to scale from (the committed demo run "
+                              "results/smollm2-135m-instruct/quick is one): times not estimated")
+        return
+    mr.reply_budget = measured_budget(cfg, mr)
+    factor, basis = calibration_factor(mr, key, cfg.runtime.n_threads)
+    tm = TimeModel(run=mr, factor=factor, basis=basis, leave_out=leave_out,
+                   plan_budget={s: w["reply_tokens"] for s, w in sp.work.per_suite.items()})
+    plan["time_basis"] = basis
+    for fp in plan["rows"]:
+        a = fp.time_args
+        if fp.time_basis == "reuses the reference transcripts":
+            fp.time_s = 0.0
+            continue
+        name = a.get("key") or fp.variant
+        fp.time_s, fp.time_basis = tm.estimate(fp.stage, name, a["kind"], a["nbytes"], suites=a.get("suites"),
+                                               params=a.get("params"), extra=a.get("extra", 1.0))
+
+
+def measured_budget(cfg, mr) -> dict:
+    """The measured run's reply-token budget per suite: its profile (conf/profile/NAME.yaml) on this catalogue's
+    suites; where the profile is not a file here, the planned run's own profile is assumed."""
+    import dataclasses
+
+    from pipeline.config.schema import PROJECT_ROOT, ProfileConfig
+    from pipeline.config.settings import build_settings
+    from pipeline.measure.stage_plan import Workload
+
+    path = PROJECT_ROOT / "conf" / "profile" / f"{mr.profile}.yaml"
+    profile = cfg.profile
+    if path.is_file():
+        from omegaconf import OmegaConf
+
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        raw = {k: v for k, v in raw.items() if k != "defaults"}
+        profile = build_settings(ProfileConfig, raw, f"profile {mr.profile}")
+    suites = [s for s in mr.suites if s in cfg.suites] or list(cfg.run.suites)
+    other = dataclasses.replace(cfg, profile=profile, run=dataclasses.replace(cfg.run, suites=suites))
+    return {s: w["reply_tokens"] for s, w in Workload.of(other).per_suite.items()}
+
+
+def totals(rows: list[Footprint]) -> dict:
+    """What is still to be built: disk summed, memory at the largest stage (stages run one at a time), time summed."""
+    todo = [r for r in rows if not r.exists]
+    host = max(todo, key=lambda r: r.host_bytes, default=None)
+    device = max(todo, key=lambda r: r.device_bytes, default=None)
+    times = [r.time_s for r in todo if r.time_s is not None]
+    return {"disk_bytes": sum(r.disk_bytes for r in todo), "host_bytes": host.host_bytes if host else 0.0,
+            "host_stage": f"{host.stage} {host.variant}" if host else None,
+            "device_bytes": device.device_bytes if device else 0.0,
+            "device_stage": f"{device.stage} {device.variant}" if device else None,
+            "time_s": sum(times), "timed_stages": len(times), "stages": len(todo), "built": len(rows) - len(todo)}
+
+
+def fit_problems(plan: dict, free: dict, headroom: float) -> list[str]:
+    """Each resource the run needs more of than this machine has free, with ``headroom`` of it kept free."""
+    t, keep = plan["totals"], 1 - headroom
+    out = []
+    if t["disk_bytes"] > keep * free["disk_bytes"]:
+        out.append(f"disk: the artifacts still to write need {t['disk_bytes'] / GB:.2f} GB in {free['disk_path']}, "
+                   f"and {free['disk_bytes'] / GB:.2f} GB are free, of which {keep:.0%} ({keep * free['disk_bytes'] / GB:.2f} "
+                   f"GB) may be used")
+    if free["memory_bytes"] is not None and t["host_bytes"] > keep * free["memory_bytes"]:
+        out.append(f"host memory: the largest stage ({t['host_stage']}) needs {t['host_bytes'] / GB:.2f} GB, and "
+                   f"{free['memory_bytes'] / GB:.2f} GB are available ({free['memory_source']}), of which "
+                   f"{keep:.0%} ({keep * free['memory_bytes'] / GB:.2f} GB) may be used")
+    if free.get("device_bytes") is not None and t["device_bytes"] > keep * free["device_bytes"]:
+        out.append(f"device memory: the largest stage ({t['device_stage']}) needs {t['device_bytes'] / GB:.2f} GB, "
+                   f"and {free['device_bytes'] / GB:.2f} GB are free on the device, of which {keep:.0%} "
+                   f"({keep * free['device_bytes'] / GB:.2f} GB) may be used")
+    return out
+
+
+def refusal(plan: dict, problems: list[str], headroom: float) -> str:
+    return (f"this run does not fit this machine ({plan['model']}, {plan['params'] / 1e9:.2f} B parameters, "
+            f"variants {', '.join(plan['variants'])}; {headroom:.0%} kept free, capacity.headroom): "
+            + "; ".join(problems) + ". Nothing was computed. Free space, pick fewer or smaller variants "
+            "(run.variants=[...]), move paths.artifacts to a larger disk, or override with plan.check=false")
+
+
+def refuse_unless_fits(cfg) -> None:
+    """The check at the start of a run, before any work: raises ConfigError naming the numbers when the run's
+    disk or memory does not fit (plan.check=false skips it)."""
+    from pipeline.measure.model_inventory import NotLocal
+
+    if not cfg.plan.check:
+        return
+    try:
+        plan = build_plan(cfg, variants=[cfg.variant], with_times=False)
+    except NotLocal as exc:       # the download itself is checked for space (prepare); the rest is unknown yet
+        log.warning("no plan before the download: %s", exc)
+        return
+    problems = fit_problems(plan, machine_free(cfg, plan["on_device"]), cfg.capacity.headroom)
+    if problems:
+        raise ConfigError(refusal(plan, problems, cfg.capacity.headroom))
+
+
+def _fmt_time(s: float | None) -> str:
+    if s is None:
+        return "?"
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def format_plan(plan: dict, free: dict, headroom: float) -> str:
+    w = plan["workload"]
+    lines = [f"plan: {plan['model']} ({plan['params'] / 1e9:.3f} B parameters; shapes from {plan['source']}), "
+             f"run {plan['run']}: {w['conversations']} conversations, at most {w['reply_tokens']} reply tokens, "
+             f"contexts up to {w['context_tokens']} tokens",
+             f"times: {plan['time_basis']}" if plan.get("time_basis") else "times: not estimated", "",
+             "| stage | variant | disk MB | peak host MB | peak device MB | time | time from |",
+             "|---|---|---|---|---|---|---|"]
+    for r in plan["rows"]:
+        mark = " (built)" if r.exists else ""
+        lines.append(f"| {r.stage}{mark} | {r.variant} | {r.disk_bytes / MIB:,.0f} | {r.host_bytes / MIB:,.0f} | "
+                     f"{r.device_bytes / MIB:,.0f} | {_fmt_time(r.time_s)} | {r.time_basis} |")
+    t = plan["totals"]
+    keep = 1 - headroom
+    lines += ["", f"still to run: {t['stages']} stages ({t['built']} already built), time {_fmt_time(t['time_s'])} "
+                  f"({t['timed_stages']} of them timed)",
+              f"disk: {t['disk_bytes'] / GB:.2f} GB to write; {free['disk_bytes'] / GB:.2f} GB free in "
+              f"{free['disk_path']} ({keep:.0%} usable: {keep * free['disk_bytes'] / GB:.2f} GB)"]
+    if free["memory_bytes"] is not None:
+        lines.append(f"host memory: {t['host_bytes'] / GB:.2f} GB at the largest stage ({t['host_stage']}); "
+                     f"{free['memory_bytes'] / GB:.2f} GB available ({free['memory_source']}; {keep:.0%} usable: "
+                     f"{keep * free['memory_bytes'] / GB:.2f} GB)")
+    if free.get("device_bytes") is not None:
+        lines.append(f"device memory: {t['device_bytes'] / GB:.2f} GB at the largest stage ({t['device_stage']}); "
+                     f"{free['device_bytes'] / GB:.2f} GB free")
+    return "\n".join(lines)
+
+
+def run_plan(cfg) -> int:
+    """``quantdrift plan``: print the table and the totals; exit 2 when the run does not fit."""
+    plan = build_plan(cfg)
+    free = machine_free(cfg, plan["on_device"])
+    print(format_plan(plan, free, cfg.capacity.headroom))
+    problems = fit_problems(plan, free, cfg.capacity.headroom)
+    if problems:
+        raise ConfigError(refusal(plan, problems, cfg.capacity.headroom))
+    print("fits: yes")
+    return 0

@@ -1,0 +1,118 @@
+"""A finished run's plan beside what it measured: ``quantdrift plan plan.compare=true`` (the run named by
+run.name, or plan.measured=results/<model>/<run>). Per stage and variant: time, peak host memory where the run
+measured one (the speed probes' and the quantizers' peak RSS), and the artifact's bytes.
+
+Times are never taken from the run being compared: from another finished run when there is one, else each
+variant's stages from its nearest sibling variant of this run (the same weight kind, scaled by bytes), which is
+what the plan does for a variant it has no measurement of. Shared stages (prepare, conversion, references) then
+have no source but the run itself and are marked in-sample.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.infra.errors import ConfigError
+from pipeline.measure.footprint import MIB
+
+
+def _err(plan: float | None, measured: float | None) -> str:
+    if plan is None or not measured:
+        return ""
+    return f"{(plan - measured) / measured:+.0%}"
+
+
+def _cell(x: float | None, fmt: str = "{:,.0f}") -> str:
+    return "" if x is None else fmt.format(x)
+
+
+def compare_rows(cfg) -> dict:
+    """The plan of the measured run's own variants with its measurements beside each stage."""
+    import dataclasses
+
+    from pipeline.config.compose import variant_of
+    from pipeline.infra.files import read_json
+    from pipeline.measure.stage_rates import find_runs, read_run
+    from pipeline.stages.plan import build_plan
+
+    folder = Path(cfg.plan.measured) if cfg.plan.measured else cfg.results_dir
+    summary_path = folder / "summary.json"
+    if not summary_path.is_file():
+        raise ConfigError(f"plan.measured={str(folder)!r} holds no summary.json: expected a finished run's folder "
+                          f"(results/<model>/<run>)")
+    summary = read_json(summary_path)
+    mr = read_run(summary_path, Path(cfg.paths.artifacts))
+    if mr is None:
+        raise ConfigError(f"{summary_path} has no stage times or model facts: expected a summary of schema 4 or later")
+    if summary["model"]["name"] != cfg.model.name:
+        raise ConfigError(f"model.name={cfg.model.name!r} but {summary_path} is a run of {summary['model']['name']!r}: "
+                          f"pass the run's own model (model=... / model.source=...)")
+    if summary["run"].get("profile") != cfg.profile.name:
+        raise ConfigError(f"profile={cfg.profile.name!r} but {summary_path} ran profile {summary['run'].get('profile')!r}: "
+                          "pass the run's own profile")
+    names = [n for n, v in summary["variants"].items() if v.get("status") == "ok"]
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=summary["run"]["name"],
+                                                            suites=list(summary["run"]["suites"]), variants=names))
+    others = find_runs(Path(cfg.paths.results), Path(cfg.paths.artifacts), exclude=mr.label)
+    plan = build_plan(cfg, variants=[variant_of(cfg, n) for n in names], exclude_run=mr.label if others else None,
+                      leave_out=not others)
+    in_sample = ("prepare", "convert_f16", "parity", "reference", "standin", "baseline") if not others else ()
+    rows = []
+    for fp in plan["rows"]:
+        key = fp.time_args.get("key") or fp.variant
+        measured_s = mr.walls.get((fp.stage, key))
+        if fp.stage in ("speed", "load"):       # measured for all variants together: compared as one row below
+            measured_s = None
+        peak = mr.peaks_mb.get((fp.stage, key))
+        disk = None
+        v = summary["variants"].get(fp.variant) or {}
+        if fp.stage == "quantize" and fp.disk_bytes:      # an F16 file is the conversion's, hard-linked
+            disk = (v.get("memory") or {}).get("artifact_bytes")
+        if fp.stage == "convert_f16":
+            disk = ((summary["variants"].get("gguf_f16") or {}).get("memory") or {}).get("artifact_bytes")
+        if fp.stage == "prepare":
+            disk = ((summary["variants"].get("original") or {}).get("memory") or {}).get("artifact_bytes")
+        rows.append({"stage": fp.stage, "variant": fp.variant, "plan_s": fp.time_s, "measured_s": measured_s,
+                     "basis": fp.time_basis, "in_sample": fp.stage in in_sample, "plan_host_mb": fp.host_bytes / MIB, "measured_host_mb": peak,
+                     "plan_disk_mb": fp.disk_bytes / MIB, "measured_disk_mb": disk / MIB if disk else None})
+    for stage in ("speed", "load"):
+        mine = [r for r in rows if r["stage"] == stage]
+        if mine and (stage, "*") in mr.walls:
+            rows.append({"stage": f"{stage} (all variants)", "variant": "-", "measured_s": mr.walls[(stage, "*")],
+                         "plan_s": sum(r["plan_s"] or 0 for r in mine), "basis": "sum of the rows above",
+                         "in_sample": False,
+                         "plan_host_mb": max(r["plan_host_mb"] for r in mine), "measured_host_mb": None,
+                         "plan_disk_mb": sum(r["plan_disk_mb"] for r in mine), "measured_disk_mb": None})
+    return {"run": mr, "plan": plan, "rows": rows, "in_sample": not others}
+
+
+def _abs_errors(rows: list[dict], plan_key: str, meas_key: str) -> list[float]:
+    return [abs(r[plan_key] - r[meas_key]) / r[meas_key] for r in rows
+            if r[plan_key] is not None and r[meas_key]]
+
+
+def compare_run(cfg) -> str:
+    out = compare_rows(cfg)
+    mr, rows = out["run"], out["rows"]
+    basis = ("no other finished run: each variant's time from its nearest sibling variant of this run; shared "
+             "stages in-sample (their own measurement)") if out["in_sample"] else f"times from {out['plan']['time_basis']}"
+    lines = [f"plan vs measured: {mr.label} ({mr.cpu}, {mr.params / 1e6:.0f} M parameters); {basis}", "",
+             "| stage | variant | time plan | time measured | error | peak host MB plan | measured | error | "
+             "disk MB plan | measured | error | time from |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['stage']} | {r['variant']} | {_cell(r['plan_s'], '{:.0f} s')} | "
+                     f"{_cell(r['measured_s'], '{:.0f} s')} | "
+                     f"{'in-sample' if r['in_sample'] else _err(r['plan_s'], r['measured_s'])} | "
+                     f"{_cell(r['plan_host_mb'])} | {_cell(r['measured_host_mb'])} | "
+                     f"{_err(r['plan_host_mb'], r['measured_host_mb'])} | {_cell(r['plan_disk_mb'], '{:,.1f}')} | "
+                     f"{_cell(r['measured_disk_mb'], '{:,.1f}')} | {_err(r['plan_disk_mb'], r['measured_disk_mb'])} | "
+                     f"{r['basis']} |")
+    summary = []
+    for label, p, m in (("time", "plan_s", "measured_s"), ("peak host memory", "plan_host_mb", "measured_host_mb"),
+                        ("disk", "plan_disk_mb", "measured_disk_mb")):
+        errs = sorted(_abs_errors([r for r in rows if not (label == "time" and (r["measured_s"] == 0 or r["in_sample"]))],
+                                  p, m))
+        if errs:
+            summary.append(f"{label}: median absolute error {errs[len(errs) // 2]:.0%}, largest {errs[-1]:.0%} "
+                           f"over {len(errs)} stages")
+    return "\n".join(lines + [""] + summary)

@@ -1,0 +1,161 @@
+"""The plan: artifact and memory arithmetic on several model families against hand-computed values, the GGUF
+types llama.cpp really wrote for the embedded model, a run refused before any work when the machine's free disk
+or memory does not fit, and `quantdrift plan` on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.infra.errors import ConfigError
+from pipeline.measure.footprint import gguf_file, ggml_quant_sizes, kv_bytes, packed_bytes
+
+SIZES = None
+
+
+def sizes():
+    global SIZES
+    SIZES = SIZES or ggml_quant_sizes(str(PROJECT_ROOT / ".cache"))
+    return SIZES
+
+
+def inventory(config):
+    from pipeline.measure.model_inventory import from_config
+
+    return from_config(config)
+
+
+SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+# per layer: q 64x64, k and v 32x64, o 64x64, gate and up 128x64, down 64x128, two norms of 64
+ATTN = 64 * 64 + 2 * 32 * 64 + 64 * 64
+MLP = 3 * 128 * 64
+LAYER = ATTN + MLP + 2 * 64
+HEADS_DIM = 16          # 64 / 4
+
+
+def test_llama_params_gguf_types_and_bytes():
+    from transformers import LlamaConfig
+
+    inv = inventory(LlamaConfig(**SMALL))
+    assert inv.params == 2 * 1000 * 64 + 2 * LAYER + 64 == 202_048
+    one_d = 2 * 2 * 64 + 64
+    n_tensors = 2 + 2 * 9 + 1
+    q8 = gguf_file(inv, "Q8_0", sizes())
+    assert q8["tensor_types"] == {"F32": 5, "Q8_0": 16}
+    assert q8["bytes"] == (202_048 - one_d) * 34 // 32 + one_d * 4 + 16 * n_tensors + 36 * 1000
+    f16 = gguf_file(inv, "F16", sizes())
+    assert f16["bytes"] == (202_048 - one_d) * 2 + one_d * 4 + 16 * n_tensors + 36 * 1000
+    # rows of 64 and 128 are not multiples of 256: Q4_K falls back to Q5_0 and Q6_K to Q8_0; the head (Q6_K), the
+    # last layer's attn_v and ffn_down (use_more_bits) are the Q8_0 ones
+    assert gguf_file(inv, "Q4_K_M", sizes())["tensor_types"] == {"F32": 5, "Q5_0": 13, "Q8_0": 3}
+    # GPTQ W4 g32: codes 0.5 B/weight, fp16 scale + 4-bit zero per 32 inputs, int32 g_idx per input row
+    linear = 2 * (ATTN + MLP)
+    rows = 2 * (4 * 64 + 2 * 64 + 128)
+    expected = linear // 2 + linear // 32 * (2 + 0.5) + 4 * rows + (2 * 1000 * 64 + one_d) * 2
+    assert packed_bytes(inv, 4, 32, True, "float16") == expected
+
+
+def test_qwen2_biases_stay_f32():
+    from transformers import Qwen2Config
+
+    inv = inventory(Qwen2Config(**SMALL))
+    biases = 2 * (64 + 32 + 32)
+    assert inv.params == 202_048 + biases
+    assert gguf_file(inv, "Q8_0", sizes())["tensor_types"]["F32"] == 5 + 6
+
+
+def test_mistral_sliding_window_kv():
+    from transformers import MistralConfig
+
+    inv = inventory(MistralConfig(**SMALL, sliding_window=16))
+    assert inv.facts["kv_layout"]["layer_kinds"] == {"full": 0, "window": 2, "none": 0}
+    per_token_full = 2 * 2 * 2 * HEADS_DIM * 2            # layers x (K, V) x kv heads x head dim x f16
+    assert kv_bytes(inv.facts, 2, 16) == per_token_full * 16
+    assert kv_bytes(inv.facts, 2, 64) == per_token_full * 16          # past the window: the window only
+
+
+def test_gemma2_alternating_layers():
+    from transformers import Gemma2Config
+
+    inv = inventory(Gemma2Config(**{**SMALL, "tie_word_embeddings": True}, head_dim=16, sliding_window=16))
+    kinds = inv.facts["kv_layout"]["layer_kinds"]
+    assert kinds == {"full": 1, "window": 1, "none": 0}
+    per_layer = 2 * 2 * 16 * 2
+    assert kv_bytes(inv.facts, 2, 64) == per_layer * 64 + per_layer * 16
+    assert not inv.has_output            # tied: the embedding is the output matrix, quantized as the head
+    assert gguf_file(inv, "Q4_0", sizes())["tensor_types"]["Q8_0"] == 1
+
+
+def test_moe_experts_and_router():
+    from transformers import MixtralConfig
+
+    inv = inventory(MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2))
+    experts = 4 * (2 * 128 * 64 + 64 * 128)
+    router = 4 * 64
+    assert inv.params == 2 * 1000 * 64 + 2 * (ATTN + experts + router + 2 * 64) + 64
+    types = gguf_file(inv, "Q8_0", sizes())["tensor_types"]
+    assert types["F32"] == 5 + 2                                       # the routers stay F32
+    expected = (inv.params - 5 * 64 - 2 * router) * 34 // 32 + (5 * 64 + 2 * router) * 4
+    assert gguf_file(inv, "Q8_0", sizes())["bytes"] == expected + 16 * len(inv.tensors) + 36 * 1000
+
+
+def test_embedded_model_gguf_types_match_the_committed_run(embedded_gguf):
+    """What llama.cpp really wrote for the demo model (the committed summary's tensor types and file sizes)."""
+    from pipeline.measure.model_inventory import from_gguf
+
+    summary = json.loads((PROJECT_ROOT / "results/smollm2-135m-instruct/quick/summary.json").read_text())
+    inv = from_gguf(embedded_gguf)
+    for name in ("gguf_f16", "gguf_q8_0", "gguf_q4_k_m", "gguf_q4_0"):
+        v = summary["variants"][name]
+        planned = gguf_file(inv, v["artifact"]["gguf_type"], sizes())
+        assert planned["tensor_types"] == v["artifact"]["tensor_types"], name
+        assert planned["bytes"] == pytest.approx(v["memory"]["artifact_bytes"], rel=1e-3), name
+
+
+def _free(disk: float, memory: float):
+    def machine_free(cfg, on_device):
+        return {"disk_bytes": disk, "disk_path": "/planned/disk", "memory_bytes": memory, "memory_source": "test",
+                "device_bytes": None}
+    return machine_free
+
+
+def test_a_run_that_does_not_fit_is_refused_before_any_work(tiny_cfg, monkeypatch, tmp_path):
+    from pipeline.cli import run
+    from pipeline.stages import plan
+
+    cfg = tiny_cfg("variant=original", "runtime.device=cpu")
+    monkeypatch.setattr(plan, "machine_free", _free(disk=1e6, memory=64e9))
+    with pytest.raises(ConfigError) as exc:
+        run(cfg)
+    message = str(exc.value)
+    assert "disk" in message and "0.00 GB are free" in message and "plan.check=false" in message
+    assert "host memory" not in message
+    assert not (tmp_path / "artifacts" / "tiny" / "original").exists()      # nothing computed
+
+    monkeypatch.setattr(plan, "machine_free", _free(disk=1e12, memory=1e6))
+    with pytest.raises(ConfigError, match=r"host memory: the largest stage \(.*\) needs .* GB, and 0.00 GB are "
+                                          r"available"):
+        run(cfg)
+    assert not (tmp_path / "artifacts" / "tiny" / "original").exists()
+    plan.refuse_unless_fits(tiny_cfg("variant=original", "runtime.device=cpu", "plan.check=false"))   # overridden
+
+
+def test_plan_command_on_the_tiny_model(tiny_cfg, capsys):
+    from pipeline.cli import run
+
+    cfg = tiny_cfg("command=plan", "run.variants=[original,gguf_q8_0,gguf_q8_0+kv_q8_0]", "runtime.device=cpu",
+                   f"paths.results={PROJECT_ROOT / 'results'}")
+    assert run(cfg) == 0
+    out = capsys.readouterr().out
+    assert "| quantize | gguf_q8_0 |" in out and "| speed | gguf_q8_0+kv_q8_0 |" in out
+    assert "smollm2-135m-instruct/quick" in out         # times scaled from the committed run
+    assert "fits: yes" in out
+    assert not (cfg.model_dir / "original").exists()
+
+
+def test_plan_settings_are_validated(tiny_cfg):
+    with pytest.raises(ConfigError, match="plan.check"):
+        tiny_cfg("plan.check=maybe")
