@@ -72,3 +72,36 @@ def test_failure_texts_are_read_into_causes():
         conversion_failure("...\nNotImplementedError: Architecture 'X' not supported!\n", 1)
     assert conversion_failure("Traceback ...\nKeyError: 'rope_theta'\n", 1) == \
         "llama.cpp's converter failed (exit 1): KeyError: 'rope_theta'"
+
+
+def test_a_quantizer_killed_by_a_signal_is_a_failure_not_a_refusal(tmp_path, monkeypatch):
+    """llama-quantize or the converter killed by a signal (the out-of-memory killer, a cancelled job) says nothing
+    about the model: it fails the run loudly instead of reporting the format as refused (a Skip)."""
+    import subprocess
+
+    import pipeline.infra.llama_tools as llama_tools
+    import pipeline.quantizers.gguf as gguf
+
+    exe = tmp_path / "llama-quantize"
+    exe.write_text("")
+    monkeypatch.setattr(llama_tools, "tool", lambda name, tools: exe)
+    killed = subprocess.CompletedProcess([str(exe)], -9, stdout="", stderr="llama_model_quantize: loading\n")
+    monkeypatch.setattr(gguf.subprocess, "run", lambda *a, **k: killed)
+    with pytest.raises(RuntimeError, match="killed by signal 9"):
+        gguf.llama_quantize("tools", tmp_path / "in.gguf", tmp_path / "out.gguf", "Q4_K_M", 2)
+    refused = subprocess.CompletedProcess([str(exe)], 1, stdout="", stderr="error: unsupported tensor shape\n")
+    monkeypatch.setattr(gguf.subprocess, "run", lambda *a, **k: refused)
+    with pytest.raises(Skip, match="llama-quantize refused Q4_K_M"):
+        gguf.llama_quantize("tools", tmp_path / "in.gguf", tmp_path / "out.gguf", "Q4_K_M", 2)
+
+
+def test_a_gguf_llama_cpp_cannot_read_fails_in_a_child_not_in_the_job(tmp_path, embedded_gguf):
+    """The vocabulary is loaded in a child process first (llama.cpp aborts the process on some converted files):
+    a file it cannot read raises in the job, naming the file and the child's end, and the job lives on."""
+    from pipeline.runtimes.llamacpp import vocab_loads_in_child
+
+    vocab_loads_in_child(embedded_gguf)            # a good file loads
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(embedded_gguf.read_bytes()[:4096])
+    with pytest.raises(RuntimeError, match=r"could not load the vocabulary of broken.gguf \((exit|killed by)"):
+        vocab_loads_in_child(bad)

@@ -216,3 +216,42 @@ def test_unknown_config_values_and_cli_input_exit_2():
                          timeout=60, cwd=PROJECT_ROOT)
     assert out.returncode == EXIT_BAD_INPUT and "int8" in out.stdout + out.stderr
 
+
+def test_a_gguf_llama_cpp_cannot_load_costs_the_gguf_variants_only(tmp_path, tiny_llama, monkeypatch):
+    """llama.cpp refusing the converted F16 file (a missing tensor, an unknown key) stops no transformers variant:
+    the original is measured with its reference on transformers, a GGUF variant is skipped naming llama.cpp's
+    error, and the report says both."""
+    import pipeline.stages.reference as reference
+
+    def refuse(*args, **kwargs):
+        raise ValueError("Failed to load model from file: check_tensor_dims: tensor 'output.weight' not found")
+
+    monkeypatch.setattr(reference, "check_parity", refuse)
+    assert run(_cfg(tiny_llama, tmp_path, "variant=original")) == 0
+    assert run(_cfg(tiny_llama, tmp_path, "variant=gguf_q8_0")) == 0
+    report = _cfg(tiny_llama, tmp_path, "command=report", "run.variants=[original,gguf_q8_0]")
+    run(report)
+    summary = json.loads((report.results_dir / "summary.json").read_text())
+    assert summary["variants"]["original"]["status"] == "ok"
+    q8 = summary["variants"]["gguf_q8_0"]
+    assert q8["status"] == "skipped" and "llama.cpp could not load the F16 GGUF" in q8["reason"], q8
+    assert "output.weight" in q8["reason"]
+    assert "Parity: GGUF skipped (llama.cpp could not load the F16 GGUF" in (report.results_dir / "report.md").read_text()
+
+
+def test_bad_input_inside_a_variant_job_is_reported_with_its_cause(tmp_path, tiny_llama):
+    """A job stopped by bad input (exit 2) leaves a failed result naming the input, so the report of the run says
+    why that variant has no figures instead of 'not evaluated'."""
+    model = _copy_model(tiny_llama, tmp_path / "m")
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    for f in model.glob("chat_template.*"):
+        f.unlink()
+    with pytest.raises(ConfigError, match="allow_plain_template=true"):
+        run(_cfg(model, tmp_path, "variant=original"))
+    report = _cfg(model, tmp_path, "command=report", "run.variants=[original]")
+    run(report)
+    v = json.loads((report.results_dir / "summary.json").read_text())["variants"]["original"]
+    assert v["status"] == "failed" and "stopped on bad input" in v["reason"], v
+    assert "allow_plain_template=true" in v["reason"], v

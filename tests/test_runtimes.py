@@ -449,3 +449,26 @@ def test_a_repetition_penalty_steers_every_runtime_the_same_way(built):
         changed += sum(a != b for a, b in zip(greedy, single))
         rt.close()
     assert changed > 0, "the penalty never changed a reply: the test's prompts do not exercise it"
+
+
+def test_a_checkpoint_whose_weights_transformers_cannot_place_is_skipped_naming_them(tmp_path, tiny_llama):
+    """A weight the checkpoint lacks (a quantizer's per-expert or unfused layout against this transformers' fused
+    modules) would be started from random values with only a log line: the runtime refuses the artifact instead,
+    naming the weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.infra.errors import Skip
+    from pipeline.runtimes.hf import HFRuntime
+    from tests.conftest import compose
+
+    model = shutil.copytree(tiny_llama, tmp_path / "m")
+    weights = next(model.glob("*.safetensors"))
+    tensors = load_file(weights)
+    gone = next(k for k in tensors if k.endswith("layers.0.mlp.down_proj.weight"))
+    del tensors[gone]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    cfg = compose([f"paths.artifacts={tmp_path / 'a'}"])
+    with pytest.raises(Skip, match=r"1 weight\(s\) missing or of another shape \(model.layers.0.mlp.down_proj"):
+        HFRuntime(model, {"dtype": "float32"}, cfg.runtime)

@@ -56,6 +56,9 @@ def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_
         log.info("converting %s to F16 GGUF with llama.cpp's converter%s", checkpoint,
                  f" (BPE pre-tokenizer set to {pre!r})" if pre else "")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, **child_options())
+        if proc.returncode < 0:       # killed by a signal (out of memory, a cancelled job): a failure, not the model
+            raise RuntimeError(f"llama.cpp's converter was killed by signal {-proc.returncode}: "
+                               f"{refusal(proc.stderr + proc.stdout)}")
         if proc.returncode != 0:
             # any conversion failure costs the GGUF variants only: a Skip with the converter's own cause
             raise Skip(conversion_failure(proc.stderr + proc.stdout, proc.returncode))
@@ -124,6 +127,8 @@ def llama_quantize(tools: str, src: Path, dst: Path, ftype_name: str, threads: i
     text = proc.stderr + proc.stdout
     if proc.returncode != 0:
         dst.unlink(missing_ok=True)
+        if proc.returncode < 0:       # killed by a signal: a failure of this run, never "the model refuses"
+            raise RuntimeError(f"llama-quantize was killed by signal {-proc.returncode}: {refusal(text)}")
         if "invalid ftype" in text or "unknown ftype" in text.lower():
             raise ConfigError(f"variant.quantize.type={ftype_name!r} is not a llama.cpp type: {refusal(text)}")
         raise Skip(f"llama-quantize refused {ftype_name} for this model: {refusal(text)}")

@@ -49,6 +49,21 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def check_loaded(artifact: Path, model_class: str, loading: dict) -> None:
+    """transformers starts weights it finds no tensor for from random values and only logs it: a checkpoint
+    written in another module layout (a quantizer's per-expert or unfused projections against this transformers'
+    fused ones) then runs with random weights. Any such weight makes the artifact unusable here (a Skip naming
+    them), never a figure."""
+    import transformers
+
+    missing = sorted(set(loading.get("missing_keys") or ()) | {k[0] for k in loading.get("mismatched_keys") or ()})
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise Skip(f"transformers {transformers.__version__} loaded {artifact.name} as {model_class} with "
+                   f"{len(missing)} weight(s) missing or of another shape ({shown}): the checkpoint's layout is not "
+                   "this transformers' for the architecture, and those weights would be random")
+
+
 @dataclass
 class HFSettings:
     """variant.runtime_options for hf."""
@@ -117,9 +132,11 @@ class HFRuntime(FullLogitsRuntime):
             # loaded on, and transformers' GPTQ quantizer assumes the CPU when no device_map is given (a CPU kernel
             # class such as TorchAtenLinear, which .to("cuda") then only moves, dequantizing on every forward).
             load.setdefault("device_map", {"": self.device})
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(artifact), dtype=self.dtype, trust_remote_code=trust_remote_code, **load,
-        ).to(self.device).eval()
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            str(artifact), dtype=self.dtype, trust_remote_code=trust_remote_code, output_loading_info=True, **load,
+        )
+        self.model = model.to(self.device).eval()
+        check_loaded(Path(artifact), type(model).__name__, loading)
         self._cache = None
         self._cache_ids: list[int] = []
         self.choice = TokenChoice.from_config(rcfg)

@@ -59,6 +59,30 @@ def gguf_file(artifact: Path) -> Path:
     return files[0]
 
 
+def vocab_loads_in_child(path: Path, timeout_s: float = 600) -> None:
+    """Load ``path``'s vocabulary in a child process first: llama.cpp aborts the whole process (GGML_ASSERT) on
+    some converted files (two ids sharing one token text), which in process would take every variant's job down
+    with it, the transformers ones included. Raises RuntimeError with the child's last lines when it fails."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.infra.child_processes import child_options
+    from pipeline.infra.make_paths import PROJECT_ROOT
+
+    code = ("import sys\nfrom pipeline.infra.llama_tools import load_llama_cpp\n"
+            "load_llama_cpp().Llama(sys.argv[1], vocab_only=True, verbose=True)\n")   # the abort's own words
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
+                          timeout=timeout_s, **child_options())
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+        cause = [ln for ln in lines if re.search(r"GGML_ASSERT|error|failed|exception", ln, re.I)] or lines[-3:]
+        how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+        raise RuntimeError(f"llama.cpp could not load the vocabulary of {path.name} ({how}): "
+                           + " | ".join(cause[-3:])[-500:])
+
+
 def cuda_supported() -> bool:
     llama_cpp = load_llama_cpp()
 

@@ -154,6 +154,9 @@ def check_parity(cfg: Config, original: Original, f16_path: Path, f16_hash: str,
         # One runtime loaded at a time (the two together would need both models' memory): the F16 file's logits
         # go to disk as the float32 rows llama.cpp gave, then stream beside the original's.
         spill = tmp / "f16-logits.npy"
+        from pipeline.runtimes.llamacpp import vocab_loads_in_child
+
+        vocab_loads_in_child(f16_path)      # an abort in llama.cpp's vocabulary loader stops the GGUF variants only
         gguf = load_runtime(f16_variant(), f16_path, cfg, n_ctx=max(cfg.reference.parity_tokens + 8, 512))
         try:
             tokenizer = tokenizer_divergence(texts, renderer, gguf.tokenize)

@@ -91,11 +91,20 @@ def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict
     except Skip as exc:
         log.warning("no GGUF for this model (%s): the reference is generated on the hf runtime", exc)
         parity = {"ok": False, "skipped": str(exc)}
+    is_gguf = cfg.variant.quantizer == f16v.quantizer
     if f16 is not None:
-        parity = check_parity(cfg, original, f16.path, f16.hash, renderer, texts)
+        try:
+            parity = check_parity(cfg, original, f16.path, f16.hash, renderer, texts)
+        except Exception as exc:      # llama.cpp refusing the converted file costs the GGUF variants only
+            why = f"llama.cpp could not load the F16 GGUF converted from this model ({type(exc).__name__}: {exc})"
+            if is_gguf:
+                raise Skip(why + ": no GGUF variant can be measured") from exc
+            log.error("%s: the reference is generated on the hf runtime", why)
+            parity, f16 = {"ok": False, "skipped": why}, None
+    if f16 is not None:
         problem = parity_error(parity)
-        if problem and cfg.variant.quantizer == f16v.quantizer:
-            raise ConfigError(problem)
+        if problem and is_gguf:
+            raise Skip(problem)
         if problem:
             log.error("parity check failed: %s", problem)
         tok = parity["tokenizer"]
@@ -159,12 +168,12 @@ def evaluate_job(cfg: Config) -> dict:
 
     from pipeline.stages.plan import refuse_unless_fits
 
-    refuse_unless_fits(cfg)     # before any work: disk or memory that cannot fit stops here (plan.check=false: go on)
     started = time.time()
     variant = cfg.variant
     base = {"variant": variant.name, "runtime": variant.runtime, "quantizer": variant.quantizer,
             "description": variant.description, "schema_version": SCHEMA_VERSION}
     try:
+        refuse_unless_fits(cfg)   # before any work: disk or memory that cannot fit stops here (plan.check=false)
         original = prepare(cfg.model, cfg.model_dir, force=cfg.force)
         from pipeline.measure.bandwidth import resolve_device, run_bandwidth
 
@@ -226,7 +235,12 @@ def evaluate_job(cfg: Config) -> dict:
             "model": {"name": cfg.model.name, "source": cfg.model.source, "facts": original.facts},
             "wall_s": time.time() - started,
         }
-    except ConfigError:
+    except Skip as exc:       # the shared reference set-up found this variant's format unusable on the model
+        result = {**base, "status": "skipped", "reason": str(exc)}
+        log.warning("%s skipped: %s", variant.name, exc)
+    except ConfigError as exc:   # bad input: the CLI stops (exit 2), and the report names the cause, not "not run"
+        write_json(result_path(cfg, variant.name), {**base, "status": "failed",
+                                                    "reason": f"stopped on bad input: {exc}"})
         raise
     except Exception as exc:  # a variant that fails is reported, and the other variants still run
         log.error("%s failed: %s", variant.name, exc)
