@@ -163,14 +163,18 @@ $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py:
 	test -f $@
 
 # real chat templates of many model families and tokenizer-only GGUFs (llama.cpp's models/), for the template tests
-chat-templates: $(LLAMA_CPP_SRC)/models/templates/README.md
-$(LLAMA_CPP_SRC)/models/templates/README.md: | $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py
+# llama.cpp's chat templates, vocab-only GGUF files and their reference tokenizations (ggml-vocab-*.gguf.inp/.out),
+# against which the family matrix checks each family's tokenizer; the last file extracted marks the set complete
+chat-templates: $(LLAMA_CPP_SRC)/models/ggml-vocab-llama-bpe.gguf.out
+$(LLAMA_CPP_SRC)/models/ggml-vocab-llama-bpe.gguf.out: | $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py
 	test -f $(CACHE)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz || \
 	  $(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(CACHE)/sdist
 	tar -xzf $(CACHE)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_CPP_SRC) --strip-components=3 \
 	  --wildcards 'llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/models/templates/*' \
-	  'llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/models/ggml-vocab-*.gguf'
-	test -f $@
+	  'llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/models/ggml-vocab-*.gguf' \
+	  'llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/models/ggml-vocab-*.gguf.inp' \
+	  'llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/models/ggml-vocab-*.gguf.out'
+	test -f $(LLAMA_CPP_SRC)/models/templates/README.md && test -f $@
 
 # variants quantized with an importance matrix need llama.cpp's llama-imatrix and llama-quantize (`make llama-tools`)
 IMATRIX_VARIANTS = $(shell for v in $$(echo '$(VARIANTS)' | tr ',' ' '); do \
