@@ -20,7 +20,7 @@ import logging
 import sys
 
 from pipeline.config.schema import PROJECT_ROOT, Config
-from pipeline.infra.errors import ConfigError
+from pipeline.infra.errors import ConfigError, Interrupted
 from pipeline.config.compose import register_resolvers
 
 log = logging.getLogger("quantdrift")
@@ -169,6 +169,9 @@ def _task(dcfg) -> None:
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         code = EXIT_BAD_INPUT
+    except Interrupted as exc:      # stopped from outside: said in the job's own log, then the job ends with it
+        log.error("interrupted: %s", exc)
+        raise
     _exit_code = max(_exit_code, code)
 
 

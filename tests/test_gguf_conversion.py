@@ -74,9 +74,9 @@ def test_failure_texts_are_read_into_causes():
         "llama.cpp's converter failed (exit 1): KeyError: 'rope_theta'"
 
 
-def test_a_quantizer_killed_by_a_signal_is_a_failure_not_a_refusal(tmp_path, monkeypatch):
-    """llama-quantize or the converter killed by a signal (the out-of-memory killer, a cancelled job) says nothing
-    about the model: it fails the run loudly instead of reporting the format as refused (a Skip)."""
+def test_a_quantizer_killed_by_a_signal_is_a_failure_or_an_interruption_never_a_refusal(tmp_path, monkeypatch):
+    """llama-quantize or the converter dying of a signal says nothing about the model: a crash (SIGSEGV) fails the
+    run loudly, a stop from outside (SIGTERM, SIGKILL) interrupts it; neither reports the format as refused."""
     import subprocess
 
     import pipeline.infra.llama_tools as llama_tools
@@ -85,10 +85,18 @@ def test_a_quantizer_killed_by_a_signal_is_a_failure_not_a_refusal(tmp_path, mon
     exe = tmp_path / "llama-quantize"
     exe.write_text("")
     monkeypatch.setattr(llama_tools, "tool", lambda name, tools: exe)
-    killed = subprocess.CompletedProcess([str(exe)], -9, stdout="", stderr="llama_model_quantize: loading\n")
-    monkeypatch.setattr(gguf.subprocess, "run", lambda *a, **k: killed)
-    with pytest.raises(RuntimeError, match="killed by signal 9"):
+    from pipeline.infra.errors import Interrupted
+
+    crashed = subprocess.CompletedProcess([str(exe)], -11, stdout="", stderr="llama_model_quantize: loading\n")
+    monkeypatch.setattr(gguf.subprocess, "run", lambda *a, **k: crashed)
+    with pytest.raises(RuntimeError, match="killed by signal 11"):
         gguf.llama_quantize("tools", tmp_path / "in.gguf", tmp_path / "out.gguf", "Q4_K_M", 2)
+    # stopped from outside (a cancelled job's SIGTERM, the out-of-memory killer's SIGKILL): an interruption
+    for sig in (9, 15):
+        stopped = subprocess.CompletedProcess([str(exe)], -sig, stdout="", stderr="")
+        monkeypatch.setattr(gguf.subprocess, "run", lambda *a, **k: stopped)
+        with pytest.raises(Interrupted, match=f"stopped by signal {sig}"):
+            gguf.llama_quantize("tools", tmp_path / "in.gguf", tmp_path / "out.gguf", "Q4_K_M", 2)
     refused = subprocess.CompletedProcess([str(exe)], 1, stdout="", stderr="error: unsupported tensor shape\n")
     monkeypatch.setattr(gguf.subprocess, "run", lambda *a, **k: refused)
     with pytest.raises(Skip, match="llama-quantize refused Q4_K_M"):

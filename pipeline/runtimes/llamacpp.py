@@ -14,7 +14,7 @@ import numpy as np
 
 from typing import TYPE_CHECKING
 
-from pipeline.infra.errors import ConfigError, Skip
+from pipeline.infra.errors import ConfigError, Skip, raise_if_interrupted
 from pipeline.infra.llama_tools import load_llama_cpp
 from pipeline.runtimes.base import (FullLogitsRuntime, Generation, TokenChoice, block_rows, greedy_decode,
                                     greedy_decode_many, in_position_order)
@@ -75,6 +75,7 @@ def vocab_loads_in_child(path: Path, timeout_s: float = 600) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
                           timeout=timeout_s, **child_options())
+    raise_if_interrupted(proc.returncode, f"loading the vocabulary of {path.name} in a child process")
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
         cause = [ln for ln in lines if re.search(r"GGML_ASSERT|error|failed|exception", ln, re.I)] or lines[-3:]

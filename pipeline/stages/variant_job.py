@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline.config.summary_contract import SCHEMA_VERSION
 from pipeline.config.schema import Config, VariantConfig
-from pipeline.infra.errors import ConfigError
+from pipeline.infra.errors import ConfigError, Interrupted
 from pipeline.infra.files import read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,8 @@ def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict
     if f16 is not None:
         try:
             parity = check_parity(cfg, original, f16.path, f16.hash, renderer, texts)
+        except Interrupted:
+            raise
         except Exception as exc:      # llama.cpp refusing the converted file costs the GGUF variants only
             why = f"llama.cpp could not load the F16 GGUF converted from this model ({type(exc).__name__}: {exc})"
             if is_gguf:
@@ -235,6 +237,8 @@ def evaluate_job(cfg: Config) -> dict:
             "model": {"name": cfg.model.name, "source": cfg.model.source, "facts": original.facts},
             "wall_s": time.time() - started,
         }
+    except Interrupted:       # stopped from outside: no verdict on the variant; the same command resumes
+        raise
     except Skip as exc:       # the shared reference set-up found this variant's format unusable on the model
         result = {**base, "status": "skipped", "reason": str(exc)}
         log.warning("%s skipped: %s", variant.name, exc)
