@@ -47,7 +47,8 @@ def without_inline_code(line: str) -> str:
 
 
 def makefile_targets() -> set[str]:
-    text = (ROOT / "Makefile").read_text()
+    """Targets of the Makefile and of the fragments it includes (mk/*.mk)."""
+    text = "\n".join(p.read_text() for p in [ROOT / "Makefile", *sorted((ROOT / "mk").glob("*.mk"))])
     targets = set()
     for m in re.finditer(r"^\.PHONY:(.*)$", text, flags=re.M):
         targets.update(m.group(1).split())
