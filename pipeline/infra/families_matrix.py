@@ -35,9 +35,12 @@ CAUSES = (
     "llama.cpp attends over the whole context while transformers attends over 64 tokens; every smoke prompt is "
     "longer than the window. A real Mistral 7B v0.1 (window 4,096) diverges the same way past 4,096 tokens. The "
     "pipeline's parity check catches it, as designed, and the other variants run.",
-    "Mistral and Gemma 2, transformers KV flagged: the formula counts at most the window's cells on sliding-window "
-    "layers, while transformers' report is the full-attention size (every layer, every position); llama.cpp's "
-    "report on Gemma 2 stays within 10 % of the formula.",
+    "Mistral, Gemma 2 and Gemma 3, transformers KV flagged: the formula counts at most the window's cells on "
+    "sliding-window layers, while transformers' report is the full-attention size (every layer, every position); "
+    "llama.cpp's report on Gemma 2 stays within 10 % of the formula.",
+    "DeepSeek V2, transformers KV flagged: transformers' measured cache (1,280 bytes per token) is a quarter of the "
+    "formula's (5,120): the per-head key and value widths the formula takes for multi-head latent attention are not "
+    "what transformers caches. Not located.",
     "Llama 3.2 and Gemma 2 run single-turn only: their templates `trim` each message, so a reply that starts or "
     "ends with whitespace (any random model's) renders differently in the next turn's history, and the pipeline "
     "refuses to build a multi-turn token stream; Mistral's template moves the system message to the last user turn "
