@@ -25,6 +25,15 @@ def _copy_model(src: Path, dest: Path) -> Path:
     return dest
 
 
+def _without_chat_template(model: Path) -> Path:
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    for f in model.glob("chat_template.*"):
+        f.unlink()
+    return model
+
+
 def _cfg(model: Path, root: Path, *extra):
     return compose([f"model.source={model}", "model.name=tiny", "profile=smoke", "run.suites=[smoke]",
                     f"paths.artifacts={root / 'artifacts'}", f"paths.results={root / 'results'}",
@@ -98,12 +107,7 @@ def test_an_unsupported_device_is_named(tmp_path, tiny_llama):
 
 
 def test_a_tokenizer_without_a_chat_template_needs_consent(tmp_path, tiny_llama):
-    model = _copy_model(tiny_llama, tmp_path / "m")
-    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
-    tok_cfg.pop("chat_template", None)
-    (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    for f in model.glob("chat_template.*"):
-        f.unlink()
+    model = _without_chat_template(_copy_model(tiny_llama, tmp_path / "m"))
     with pytest.raises(ConfigError, match="allow_plain_template=true"):
         run(_cfg(model, tmp_path, "variant=original"))
     assert run(_cfg(model, tmp_path, "variant=original", "model.allow_plain_template=true")) == 0
@@ -242,12 +246,7 @@ def test_a_gguf_llama_cpp_cannot_load_costs_the_gguf_variants_only(tmp_path, tin
 def test_bad_input_inside_a_variant_job_is_reported_with_its_cause(tmp_path, tiny_llama):
     """A job stopped by bad input (exit 2) leaves a failed result naming the input, so the report of the run says
     why that variant has no figures instead of 'not evaluated'."""
-    model = _copy_model(tiny_llama, tmp_path / "m")
-    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
-    tok_cfg.pop("chat_template", None)
-    (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    for f in model.glob("chat_template.*"):
-        f.unlink()
+    model = _without_chat_template(_copy_model(tiny_llama, tmp_path / "m"))
     with pytest.raises(ConfigError, match="allow_plain_template=true"):
         run(_cfg(model, tmp_path, "variant=original"))
     report = _cfg(model, tmp_path, "command=report", "run.variants=[original]")
