@@ -293,9 +293,7 @@ class FullLogitsRuntime(Runtime):
         This default cuts ``logits``' matrix (for runtimes that can only return it whole)."""
         if type(self).logits is FullLogitsRuntime.logits:
             raise NotImplementedError(f"runtime {self.name!r} implements neither logits nor logit_blocks")
-        logits = self.logits(ids, positions)
-        yield from np.array_split(logits, range(block_rows(logits.shape[-1]), len(logits),
-                                                block_rows(logits.shape[-1])))
+        yield from as_blocks(self.logits(ids, positions))
 
     def logits(self, ids: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """Teacher-forced next-token logits after ``ids[p]`` for each p in ``positions``, from ONE forward pass
@@ -338,6 +336,12 @@ def block_rows(vocab: int) -> int:
     return max(1, BLOCK_BYTES // (4 * max(int(vocab), 1)))
 
 
+def as_blocks(rows: np.ndarray) -> Iterator[np.ndarray]:
+    """A whole (n, vocab) matrix handed over as ``logit_blocks`` blocks (views of it, ``block_rows`` rows each)."""
+    step = block_rows(rows.shape[-1])
+    return (rows[start:start + step] for start in range(0, len(rows), step))
+
+
 def in_position_order(positions: Sequence[int], ascending: Callable[[list[int]], Iterator[np.ndarray]]
                       ) -> Iterator[np.ndarray]:
     """``logit_blocks`` from a runtime's ``ascending(sorted_positions)`` stream (rows computed in token order):
@@ -353,7 +357,7 @@ def in_position_order(positions: Sequence[int], ascending: Callable[[list[int]],
     rows = np.concatenate(blocks)
     out = np.empty_like(rows)
     out[order] = rows
-    yield from np.array_split(out, range(block_rows(out.shape[-1]), len(out), block_rows(out.shape[-1])))
+    yield from as_blocks(out)
 
 
 def require_full_logits(runtime: Runtime, why: str) -> FullLogitsRuntime:

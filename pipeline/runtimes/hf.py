@@ -14,8 +14,8 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from pipeline.infra.errors import ConfigError, Skip
-from pipeline.runtimes.base import (FullLogitsRuntime, Generation, TokenChoice, block_rows, greedy_decode,
-                                    greedy_decode_many, in_position_order)
+from pipeline.runtimes.base import (FullLogitsRuntime, Generation, TokenChoice, as_blocks, block_rows,
+                                    greedy_decode, greedy_decode_many, in_position_order)
 
 if TYPE_CHECKING:
     from pipeline.config.schema import RuntimeConfig
@@ -333,8 +333,7 @@ class HFRuntime(FullLogitsRuntime):
         hidden = self._hidden_states(ids)
         step = block_rows(self._vocab())
         if hidden is None:       # the model's forward does not call its body by name: one whole pass instead
-            whole = self._whole_logits(ids, positions)
-            yield from (whole[start:start + step] for start in range(0, len(whole), step))
+            yield from as_blocks(self._whole_logits(ids, positions))
             return
         for start in range(0, len(positions), step):
             yield self._head(hidden, positions[start:start + step])
