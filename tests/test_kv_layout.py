@@ -66,3 +66,48 @@ def test_hybrid_linear_attention_layers_keep_nothing_per_token():
 
 def test_facts_from_before_the_layout_count_every_layer():
     assert kv_bytes_per_token_formula({"layers": 30, "kv_heads": 3, "head_dim": 64}, 2, 4096) == 2 * 30 * 3 * 64 * 2
+
+
+def _measured_kv_per_token(model, tokens: int) -> float:
+    """Bytes of the K/V tensors transformers' own cache holds after a prompt of ``tokens``, per token (as
+    HFRuntime.kv_cache_bytes measures them)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.arange(tokens).unsqueeze(0) % 50 + 3, use_cache=True)
+    total = sum(t.numel() * t.element_size() for layer in out.past_key_values.layers
+                for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
+    return total / tokens
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "mistral_window", "gemma2_interleaved"])
+def test_the_formula_meets_transformers_own_cache_at_the_same_context(kind):
+    """What the family matrix compares (formula at the report's context against the runtime's own cache),
+    on tiny random models: DeepSeek V2's latent cache, a sliding window past its end, Gemma 2's alternating
+    local and global layers. Within 10 %."""
+    import torch
+    import transformers
+
+    from pipeline.runtimes.hf import HFRuntime
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=256)
+    if kind == "deepseek_v2":
+        cfg = transformers.DeepseekV2Config(**dict(small, num_key_value_heads=4), kv_lora_rank=32, q_lora_rank=32,
+                                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            first_k_dense_replace=1, n_group=1, topk_group=1)
+        model = transformers.DeepseekV2ForCausalLM(cfg)
+    elif kind == "mistral_window":
+        cfg = transformers.MistralConfig(**small, sliding_window=16)
+        model = transformers.MistralForCausalLM(cfg)
+    else:
+        cfg = transformers.Gemma2Config(**small, sliding_window=16, head_dim=16)
+        model = transformers.Gemma2ForCausalLM(cfg)
+    model.eval()
+    f = facts(cfg)
+    for tokens in (12, 48):          # inside the window, and three windows past it
+        measured = _measured_kv_per_token(model, tokens)
+        formula = kv_bytes_per_token_formula(f, 4, tokens, latent=HFRuntime.latent_kv_cache)
+        assert abs(measured - formula) / formula < 0.10, (kind, tokens, measured, formula)

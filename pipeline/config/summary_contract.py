@@ -93,7 +93,8 @@ SECTION_FIELDS = {
               "repeats": ["integer", "null"], "cpu_noise": ["number", "null"], "trials": ["integer", "null"],
               "noisy_trials": ["integer", "null"], "load_s": ["number", "null"]},
     "memory": {"kv_reported_source": ["string", "null"], "kv_cache": ["string", "null"],
-               "kv_formula_gap": ["number", "null"], "kv_gap_flagged": "boolean"},
+               "kv_formula_gap": ["number", "null"], "kv_gap_flagged": "boolean",
+               "kv_formula_at_report": ["number", "null"], "kv_report_context": ["integer", "null"]},
     "drift": {},
 }
 

@@ -146,7 +146,8 @@ def _commit() -> str:
 
 
 def _kv_cell(summary: dict) -> str:
-    """KV bytes per token by the architecture's formula against each runtime's own report at its n_ctx: llama.cpp
+    """KV bytes per token by the architecture's formula against each runtime's own report, at the context the report
+    counts (llama.cpp: its n_ctx cells; transformers: the tokens its live cache holds): llama.cpp
     on the F16 file (an f16 cache) and transformers on the original, plus which ok variants the pipeline flagged
     (gap over 10 %)."""
     variants = summary["variants"]
@@ -155,7 +156,9 @@ def _kv_cell(summary: dict) -> str:
         v = variants.get(name) or {}
         m = v.get("memory") or {}
         if v.get("status") == "ok" and m.get("kv_bytes_per_token_reported") is not None:
-            parts.append(f"{label}: {m['kv_bytes_per_token']:,.0f} vs {m['kv_bytes_per_token_reported']:,.0f} "
+            formula = m.get("kv_formula_at_report") or m["kv_bytes_per_token"]
+            at = f" at {m['kv_report_context']:,} tokens" if m.get("kv_report_context") else ""
+            parts.append(f"{label}: {formula:,.0f} vs {m['kv_bytes_per_token_reported']:,.0f}{at} "
                          f"({m['kv_formula_gap']:+.1%})")
         else:
             parts.append(f"{label}: no report ({name} not ok)")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 def kv_elements_per_layer_token(facts: dict, latent: bool = False) -> float:
     """KV-cache elements one attention layer keeps per token: 2 (K and V) x kv_heads x head_dim; with latent
-    attention (DeepSeek V2/V3) a runtime with ``latent_kv_cache`` (llama.cpp) keeps the compressed latent and the rope key (kv_lora_rank +
-    qk_rope_head_dim), transformers the full per-head keys and values."""
+    attention (DeepSeek V2/V3) a runtime with ``latent_kv_cache`` (llama.cpp, transformers 5) keeps the compressed
+    latent and the rope key (kv_lora_rank + qk_rope_head_dim), one without it the full per-head keys and values."""
     mla = (facts.get("kv_layout") or {}).get("mla")
     if mla:
         if latent:

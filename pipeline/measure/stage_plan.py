@@ -162,7 +162,7 @@ class StagePlanner:
         from pipeline.runtimes import runtime_class
 
         kind = "ggml" if gguf_type or weight_kind(variant) == "ggml" else "torch"
-        latent = bool(getattr(runtime_class(variant.runtime), "latent_kv_cache", False)) and kind == "ggml"
+        latent = runtime_class("llamacpp" if kind == "ggml" else variant.runtime).latent_kv_cache
         if kind == "ggml":
             ftype = gguf_type or variant.quantize["type"]
             weights = self.gguf(ftype)["bytes"]

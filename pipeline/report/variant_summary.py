@@ -251,8 +251,11 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
     formula = kv_bytes_per_token_formula(facts, element, kv_context, runtime.latent_kv_cache)
     kv = timing["kv_reported"]
     reported = kv_reported_per_token(kv)
-    # the runtime reports what it allocated for its own context (n_ctx cells), so the formula is checked there
-    at_runtime = kv_bytes_per_token_formula(facts, element, info.get("n_ctx") or kv_context, runtime.latent_kv_cache)
+    # the formula is checked at the context the report counts: llama.cpp's allocation for its own context (n_ctx
+    # cells), transformers' live cache at the tokens it holds (its sliding-window layers keep at most their window)
+    live = kv.get("tokens") if kv and not (kv.get("allocated_bytes") and kv.get("allocated_cells")) else None
+    report_context = int(live or info.get("n_ctx") or kv_context)
+    at_runtime = kv_bytes_per_token_formula(facts, element, report_context, runtime.latent_kv_cache)
     gap = abs(reported - at_runtime) / at_runtime if reported else None
     memory = {
         "artifact_bytes": result["artifact"]["bytes"],
@@ -304,6 +307,9 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
             else "llama.cpp log: KV buffer size / cells",
             "kv_cache": runtime.kv_cache_label(info),
             "kv_formula_gap": gap,
+            # the formula at the context the runtime's report counts (what the gap compares)
+            "kv_formula_at_report": at_runtime,
+            "kv_report_context": report_context if reported else None,
             "kv_gap_flagged": bool(gap is not None and gap > 0.10),
         },
         "artifact": {"path": result["artifact"]["path"], "format": info_a.get("format"),
