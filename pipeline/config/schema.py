@@ -186,6 +186,11 @@ class RuntimeConfig:
     threads: int = 0              # 0: all cores
     n_batch: int = 512            # llama.cpp batch for prefill and scoring
     n_gpu_layers: int = -1        # llama.cpp layers offloaded when device is cuda
+    # CUDA devices one job's model may span (pipeline.runtimes.placement): 1 = runtime.device alone; N or "all" =
+    # the fewest of the N (all) visible devices that hold it, layers split in proportion to their free memory,
+    # gpu_headroom of each device's free memory kept free for the KV cache and activations
+    gpus: int | str = 1
+    gpu_headroom: float = 0.2
     flash_attn: bool = True       # llama.cpp: flash attention for every variant (a quantized V cache requires it)
     # llama.cpp, several sequences decoded together (profile.batch > 1): one KV stream per sequence (false, the
     # default), or one KV buffer shared by all (llama-server's layout when its slot count is left to it); see
@@ -212,6 +217,13 @@ class RuntimeConfig:
         _require(isinstance(self.threads, int) and self.threads >= 0, "runtime.threads", self.threads,
                  "0 (all cores) or a positive integer")
         _positive_int("runtime.n_batch", self.n_batch)
+        _require(self.gpus == "all" or (isinstance(self.gpus, int) and not isinstance(self.gpus, bool)
+                                        and self.gpus >= 1), "runtime.gpus", self.gpus, "a positive integer or all")
+        _require(isinstance(self.gpu_headroom, (int, float)) and 0 <= self.gpu_headroom < 1,
+                 "runtime.gpu_headroom", self.gpu_headroom, "a fraction from 0 to below 1")
+        if self.gpus != 1:
+            _require(self.device in ("auto", "cuda"), "runtime.device", self.device,
+                     "auto or cuda when runtime.gpus is not 1 (the placement picks the devices)")
 
     @property
     def n_threads(self) -> int:

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from pipeline.measure.footprint import (MIB, Footprint, Inventory, dense_bytes, gguf_file, gguf_tensor_type,
                                         ggml_quant_sizes, kv_bytes, logits_bytes, packed_bytes, tensor_bytes)
+from pipeline.runtimes.placement import CUDA_CONTEXT_B  # the CUDA context and its workspace on each device
 
 # the runtime's own memory beside weights, KV and logits (committed run, speed probes: peak RSS - weights - KV)
 HF_OVERHEAD_B = 450 * MIB           # original on transformers: 980 MiB peak, 513 MiB fp32 weights, 14 MiB KV
 HF_QUANTIZED_EXTRA_B = 160 * MIB    # GPTQ kernel / compressed-tensors: 1141 and 1060 MiB against the original's 980
 GGUF_OVERHEAD_B = 90 * MIB          # llama.cpp: 85-94 MiB over F16, Q8_0 and Q4_K_M files (Q4_0's repack: 142)
-CUDA_CONTEXT_B = 500 * MIB          # the CUDA context and kernels' workspace on a device
 # the GPTQModel / llm-compressor child: torch, transformers, the quantizer (gptq_w4: 1581 MiB peak of which the
 # modelled weights, activations and Hessians are about 750)
 QUANTIZER_LIBS_B = 830 * MIB

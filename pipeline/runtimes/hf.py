@@ -130,6 +130,15 @@ class HFRuntime(FullLogitsRuntime):
         torch.set_num_threads(rcfg.n_threads)
         torch.manual_seed(0)
         load = self._load_options(Path(artifact))
+        self.placement = None
+        if self.device.startswith("cuda") and rcfg.gpus != 1:
+            from pipeline.runtimes.placement import hf_placement
+
+            self.placement = hf_placement(Path(artifact), dtype, rcfg.gpus, rcfg.gpu_headroom, trust_remote_code)
+            self.device = f"cuda:{self.placement.devices[0]}"      # where the input ids and the embedding are
+            if self.placement.split:
+                load.setdefault("device_map", "auto")
+                load.setdefault("max_memory", self.placement.max_memory())
         if self.device.startswith("cuda"):
             # Load straight onto the GPU: a GPTQ/AWQ checkpoint picks its GPTQModel kernel for the device it is
             # loaded on, and transformers' GPTQ quantizer assumes the CPU when no device_map is given (a CPU kernel
@@ -138,7 +147,8 @@ class HFRuntime(FullLogitsRuntime):
         model, loading = AutoModelForCausalLM.from_pretrained(
             str(artifact), dtype=self.dtype, trust_remote_code=trust_remote_code, output_loading_info=True, **load,
         )
-        self.model = model.to(self.device).eval()
+        # a model split across devices stays where accelerate put it (its hooks move activations between them)
+        self.model = (model if self.placement is not None and self.placement.split else model.to(self.device)).eval()
         check_loaded(Path(artifact), type(model).__name__, loading)
         self._cache = None
         self._cache_ids: list[int] = []
@@ -163,6 +173,8 @@ class HFRuntime(FullLogitsRuntime):
         }
         if self.kv:
             self.info["kv_cache"] = {**self.kv, "layout": "KIVI: keys per channel, values per token, fp16 scales"}
+        if self.placement is not None:
+            self.info["placement"] = self.placement.hf_row(self.model)
 
     def _default_dtype(self, artifact: Path, threads: int) -> tuple[str, str]:
         """The compute dtype when the variant sets none (pipeline.runtimes.compute_dtype), against the memory

@@ -101,6 +101,18 @@ def _reusable(cached: Sequence[int], prompt: Sequence[int]) -> int:
     return min(reuse, len(prompt) - 1)
 
 
+def gguf_placement(path: Path, gpus, headroom: float):
+    """The placement (pipeline.runtimes.placement) of a GGUF file's tensors on the visible GPUs: the file's
+    tensor table at the file's size, without the token embedding (llama.cpp keeps the input layer on the CPU)."""
+    from pipeline.measure.footprint import Inventory
+    from pipeline.measure.model_inventory import gguf_tensors
+    from pipeline.runtimes.placement import model_blocks, place, visible_devices
+
+    inv = Inventory(tensors=gguf_tensors(path), facts={}, source=f"GGUF tensor table of {path.name}")
+    blocks = [b for b in model_blocks(inv, path.stat().st_size) if b.name != "embedding"]
+    return place(blocks, visible_devices(), gpus, headroom, what=path.name)
+
+
 class LlamaCppRuntime(FullLogitsRuntime):
     """Options (variant.runtime_options): flash_attn, cache_type_k/v (LlamaCppSettings); callers add n_ctx."""
 
@@ -154,6 +166,9 @@ class LlamaCppRuntime(FullLogitsRuntime):
         if kwargs["type_v"] != llama_cpp.GGML_TYPE_F16 and not flash:
             raise ConfigError("llama.cpp needs flash attention for a quantized V cache: set "
                               "variant.runtime_options.flash_attn=true")
+        self.placement = None
+        if use_gpu:
+            kwargs.update(self._gpu_split(path, rcfg, llama_cpp))
         log_buffer = io.StringIO()
         try:
             with contextlib.redirect_stderr(log_buffer):
@@ -196,6 +211,22 @@ class LlamaCppRuntime(FullLogitsRuntime):
             # llama.cpp's own count from its load log ("offloaded 31/31 layers to GPU"; 0/N on the CPU, None unlogged)
             "offloaded_layers": (m.group(1) + "/" + m.group(2)) if (m := _OFFLOAD_LINE.search(self._load_log)) else None,
         }
+        if self.placement is not None:
+            self.info["placement"] = {**self.placement.row(), "tensor_split": kwargs.get("tensor_split")}
+
+    def _gpu_split(self, path: Path, rcfg, llama_cpp) -> dict:
+        """llama.cpp's device arguments. One device (runtime.gpus=1): that device alone (split mode none; left to
+        itself llama.cpp splits the layers over every visible GPU). Several: the placement
+        (pipeline.runtimes.placement) of the file's tensors, applied as a layer split whose tensor_split gives
+        exactly the planned layer counts."""
+        if rcfg.gpus == 1:
+            index = int(rcfg.device.split(":")[1]) if ":" in rcfg.device else 0
+            return {"split_mode": llama_cpp.LLAMA_SPLIT_MODE_NONE, "main_gpu": index}
+        self.placement = gguf_placement(path, rcfg.gpus, rcfg.gpu_headroom)
+        if not self.placement.split:
+            return {"split_mode": llama_cpp.LLAMA_SPLIT_MODE_NONE, "main_gpu": self.placement.devices[0]}
+        return {"split_mode": llama_cpp.LLAMA_SPLIT_MODE_LAYER, "main_gpu": self.placement.devices[0],
+                "tensor_split": self.placement.tensor_split()}
 
     def _last_logits(self) -> np.ndarray:
         ptr = self.llm._ctx.get_logits_ith(-1)

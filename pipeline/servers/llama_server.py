@@ -27,8 +27,26 @@ def serve_settings(cfg, variant) -> dict:
     types): llama-server's here, llama-bench's in `make bench`."""
     opts = dict(variant.runtime_options or {})
     flash = cfg.runtime.flash_attn if opts.get("flash_attn") is None else bool(opts["flash_attn"])
-    return {"threads": cfg.runtime.n_threads, "flash_attn": flash, "n_batch": cfg.runtime.n_batch,
-            "cache_type_k": opts.get("cache_type_k", "f16"), "cache_type_v": opts.get("cache_type_v", "f16")}
+    rc = cfg.runtime
+    # the device choice only where it is not the default (a stored sweep's key stays as it was)
+    where = {**({"device": rc.device} if rc.device.startswith("cuda:") else {}),
+             **({"gpus": rc.gpus, "gpu_headroom": rc.gpu_headroom} if rc.gpus != 1 else {})}
+    return {"threads": rc.n_threads, "flash_attn": flash, "n_batch": rc.n_batch,
+            "cache_type_k": opts.get("cache_type_k", "f16"), "cache_type_v": opts.get("cache_type_v", "f16"), **where}
+
+
+def device_args(gguf: Path, settings: dict) -> tuple[list[str], dict | None]:
+    """llama-server's device arguments on CUDA and the placement they apply (None on one device): runtime.device's
+    GPU alone, or with runtime.gpus the same placement as the llama.cpp runtime's."""
+    from pipeline.runtimes.placement import single_device_args
+
+    if settings.get("gpus", 1) == 1:
+        device = settings.get("device", "cuda")
+        return single_device_args(int(device.split(":")[1]) if ":" in device else 0), None
+    from pipeline.runtimes.llamacpp import gguf_placement
+
+    placement = gguf_placement(Path(gguf), settings["gpus"], settings["gpu_headroom"])
+    return placement.cli_args(), placement.row()
 
 
 class LlamaServer(ServedEngine):
@@ -37,7 +55,8 @@ class LlamaServer(ServedEngine):
 
     def __init__(self, exe: Path, gguf: Path, *, threads: int, slots: int, ctx_per_slot: int, flash_attn: bool,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", gpu: bool = False, n_gpu_layers: int = -1,
-                 n_batch: int = 512, log_path: Path, startup_timeout_s: float = 120.0, version: str = ""):
+                 n_batch: int = 512, log_path: Path, startup_timeout_s: float = 120.0, version: str = "",
+                 device: str = "cuda", gpus: int | str = 1, gpu_headroom: float = 0.2):
         self.exe, self.gguf = Path(exe), Path(gguf)
         super().__init__(gguf, log_path=log_path, startup_timeout_s=startup_timeout_s, settings={
             "engine": self.name, "version": version, "threads": threads, "slots": slots,
@@ -46,6 +65,13 @@ class LlamaServer(ServedEngine):
             "gpu": gpu, "n_gpu_layers": (n_gpu_layers if n_gpu_layers >= 0 else "all") if gpu else 0,
             "n_batch": n_batch, "prompt_cache_ram": 0, "file": self.gguf.name,
         })
+        self.device_args: list[str] = []
+        if gpu:
+            self.device_args, placement = device_args(self.gguf, {"gpus": gpus, "gpu_headroom": gpu_headroom,
+                                                                  "device": device})
+            self.settings["device_args"] = " ".join(self.device_args)
+            if placement:
+                self.settings["placement"] = placement
 
     def command(self, port: int) -> list[str]:
         s = self.settings
@@ -56,7 +82,7 @@ class LlamaServer(ServedEngine):
                 "-t", str(s["threads"]), "-tb", str(s["threads"]), "-np", str(s["slots"]), "-c", str(s["ctx_total"]),
                 "-b", str(s["n_batch"]), "-ub", str(s["n_batch"]), "-fa", "on" if s["flash_attn"] else "off",
                 "-ctk", s["cache_type_k"], "-ctv", s["cache_type_v"], "-ngl", str(s["n_gpu_layers"]),
-                "--cont-batching", "-no-kvu", "-cram", "0", "--no-webui", "--metrics"]
+                "--cont-batching", "-no-kvu", "-cram", "0", "--no-webui", "--metrics", *self.device_args]
 
     def wait_idle(self, timeout_s: float = 60.0) -> bool:
         """Until no slot is processing (``GET /slots``); the process's CPU time where that cannot be read."""
@@ -103,7 +129,8 @@ class LlamaServer(ServedEngine):
         s = plan["settings"]
         return cls(plan["exe"], plan["served"], threads=s["threads"], slots=slots, ctx_per_slot=ctx_per_slot,
                    flash_attn=s["flash_attn"], cache_type_k=s["cache_type_k"], cache_type_v=s["cache_type_v"],
-                   gpu=gpu, n_batch=s["n_batch"], log_path=log_path, version=plan.get("version", ""))
+                   gpu=gpu, n_batch=s["n_batch"], log_path=log_path, version=plan.get("version", ""),
+                   device=s.get("device", "cuda"), gpus=s.get("gpus", 1), gpu_headroom=s.get("gpu_headroom", 0.2))
 
     @classmethod
     def describe(cls, settings: dict) -> str:

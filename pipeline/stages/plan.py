@@ -57,7 +57,12 @@ def machine_free(cfg, on_device: bool) -> dict:
         memory, source = cg, "the cgroup's memory limit less its usage"
     free = {"disk_bytes": shutil.disk_usage(probe).free, "disk_path": str(probe), "memory_bytes": memory,
             "memory_source": source, "device_bytes": None}
-    if on_device:
+    if on_device and cfg.runtime.gpus != 1:
+        from pipeline.runtimes.placement import visible_devices
+
+        free["devices"] = visible_devices()
+        free["gpus"], free["gpu_headroom"] = cfg.runtime.gpus, cfg.runtime.gpu_headroom
+    elif on_device:
         import torch
 
         free["device_bytes"] = torch.cuda.mem_get_info(_device_index(cfg.runtime.device))[0]
@@ -153,7 +158,21 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
     if with_times:
         _add_times(cfg, plan, sp, exclude_run, leave_out)
     plan["totals"] = totals(rows)
+    if on_device and cfg.runtime.gpus != 1:
+        plan["device_blocks"] = device_blocks(inv, rows)
     return plan
+
+
+def device_blocks(inv, rows: list[Footprint]) -> list:
+    """The model's chain of blocks (pipeline.runtimes.placement) at the stage that needs the most device memory:
+    what a run with runtime.gpus must place across its devices."""
+    from pipeline.runtimes.placement import model_blocks
+
+    todo = [r for r in rows if not r.exists and r.device_bytes] or [r for r in rows if r.device_bytes]
+    if not todo:
+        return []
+    parts = max(todo, key=lambda r: r.device_bytes).parts
+    return model_blocks(inv, parts.get("weights", 0.0), parts.get("kv_cache", 0.0), parts.get("logits", 0.0))
 
 
 def plan_original(cfg):
@@ -250,6 +269,15 @@ def fit_problems(plan: dict, free: dict, headroom: float) -> list[str]:
         out.append(f"host memory: the largest stage ({t['host_stage']}) needs {t['host_bytes'] / GB:.2f} GB, and "
                    f"{free['memory_bytes'] / GB:.2f} GB are available ({free['memory_source']}), of which "
                    f"{keep:.0%} ({keep * free['memory_bytes'] / GB:.2f} GB) may be used")
+    if free.get("devices") is not None and plan.get("device_blocks"):
+        from pipeline.runtimes.placement import place
+
+        try:
+            # each device keeps runtime.gpu_headroom free, as the runtimes place it
+            place(plan["device_blocks"], free["devices"], free["gpus"], free["gpu_headroom"],
+                  what=f"the largest stage ({t['device_stage']})")
+        except ConfigError as exc:
+            out.append(f"device memory: {exc}")
     if free.get("device_bytes") is not None and t["device_bytes"] > keep * free["device_bytes"]:
         out.append(f"device memory: the largest stage ({t['device_stage']}) needs {t['device_bytes'] / GB:.2f} GB, "
                    f"and {free['device_bytes'] / GB:.2f} GB are free on the device, of which {keep:.0%} "
@@ -312,6 +340,16 @@ def format_plan(plan: dict, free: dict, headroom: float) -> str:
     if free.get("device_bytes") is not None:
         lines.append(f"device memory: {t['device_bytes'] / GB:.2f} GB at the largest stage ({t['device_stage']}); "
                      f"{free['device_bytes'] / GB:.2f} GB free")
+    if free.get("devices") is not None and plan.get("device_blocks"):
+        from pipeline.runtimes.placement import place
+
+        try:
+            p = place(plan["device_blocks"], free["devices"], free["gpus"], free["gpu_headroom"])
+            lines.append(f"device memory: {t['device_bytes'] / GB:.2f} GB at the largest stage ({t['device_stage']}) "
+                         f"on {', '.join(f'cuda:{d} ({n} layers, {b / GB:.2f} GB)' for d, n, b in zip(p.devices, p.layers, p.planned))}: "
+                         f"{p.why}")
+        except ConfigError:
+            pass                # fit_problems names it
     return "\n".join(lines)
 
 
