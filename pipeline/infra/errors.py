@@ -25,3 +25,12 @@ def raise_if_interrupted(returncode: int, what: str) -> None:
     if returncode < 0 and -returncode in INTERRUPTING_SIGNALS:
         raise Interrupted(f"{what} was stopped by signal {-returncode} (a cancelled job, the out-of-memory killer "
                           "or Ctrl-C): rerun the same command to resume")
+
+
+def raise_if_signalled(returncode: int, what: str, output: str = "") -> None:
+    """A child stopped by a signal: Interrupted for an interrupting one (the rerun resumes), else a RuntimeError
+    naming the signal (a crash such as SIGSEGV or SIGABRT fails this run; it is never read as the input refusing
+    the work). Nothing for a child that exited on its own."""
+    raise_if_interrupted(returncode, what)
+    if returncode < 0:
+        raise RuntimeError(f"{what} was killed by signal {-returncode}" + (f": {output}" if output else ""))

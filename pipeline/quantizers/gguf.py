@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.infra.child_processes import child_options
-from pipeline.infra.errors import ConfigError, raise_if_interrupted
+from pipeline.infra.errors import ConfigError, raise_if_signalled
 from pipeline.quantizers.base import Quantizer, Skip
 from pipeline.infra.stage_cache import run_stage
 from pipeline.infra.gguf_file import fallback_tensors, tensor_types
@@ -56,10 +56,7 @@ def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_
         log.info("converting %s to F16 GGUF with llama.cpp's converter%s", checkpoint,
                  f" (BPE pre-tokenizer set to {pre!r})" if pre else "")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, **child_options())
-        raise_if_interrupted(proc.returncode, "llama.cpp's converter")
-        if proc.returncode < 0:       # crashed on a signal (SIGSEGV, SIGABRT): a failure, never "the model refuses"
-            raise RuntimeError(f"llama.cpp's converter was killed by signal {-proc.returncode}: "
-                               f"{refusal(proc.stderr + proc.stdout)}")
+        raise_if_signalled(proc.returncode, "llama.cpp's converter", refusal(proc.stderr + proc.stdout))
         if proc.returncode != 0:
             # any conversion failure costs the GGUF variants only: a Skip with the converter's own cause
             raise Skip(conversion_failure(proc.stderr + proc.stdout, proc.returncode))
@@ -128,9 +125,7 @@ def llama_quantize(tools: str, src: Path, dst: Path, ftype_name: str, threads: i
     text = proc.stderr + proc.stdout
     if proc.returncode != 0:
         dst.unlink(missing_ok=True)
-        raise_if_interrupted(proc.returncode, "llama-quantize")
-        if proc.returncode < 0:       # crashed on a signal: a failure of this run, never "the model refuses"
-            raise RuntimeError(f"llama-quantize was killed by signal {-proc.returncode}: {refusal(text)}")
+        raise_if_signalled(proc.returncode, "llama-quantize", refusal(text))
         if "invalid ftype" in text or "unknown ftype" in text.lower():
             raise ConfigError(f"variant.quantize.type={ftype_name!r} is not a llama.cpp type: {refusal(text)}")
         raise Skip(f"llama-quantize refused {ftype_name} for this model: {refusal(text)}")
