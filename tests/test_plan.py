@@ -159,3 +159,23 @@ def test_plan_command_on_the_tiny_model(tiny_cfg, capsys):
 def test_plan_settings_are_validated(tiny_cfg):
     with pytest.raises(ConfigError, match="plan.check"):
         tiny_cfg("plan.check=maybe")
+
+
+def test_a_load_level_scales_with_the_bytes_up_to_its_time_limit_and_the_levels_add_up():
+    """The served-load sweep stops a level after load.max_seconds_per_level: a model nine times larger than the
+    measured one is not nine times slower once its levels reach that cap, and a sweep with a third of the levels
+    (repeats=1 against 3) takes a third of the time."""
+    from pipeline.measure.stage_rates import MeasuredRun, TimeModel
+
+    run = MeasuredRun(label="demo", model="m", run="quick", profile="quick", suites=[], params=100, cpu_key="k",
+                      cpu="cpu",
+                      bandwidth_bytes_per_s=None, variants={"q8": {"bytes": 100.0, "kind": "ggml"}},
+                      walls={("load", "*"): 900.0, ("score", "q8"): 10.0}, load_variants=5, load_cells=9)
+    tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={})
+    per_level = 900.0 / 5 / 9
+    same, _ = tm.estimate("load", "q8", "ggml", 100.0, load_levels=(9, 120.0))
+    assert same == pytest.approx(per_level * 9)
+    third, _ = tm.estimate("load", "q8", "ggml", 100.0, load_levels=(3, 120.0))
+    assert third == pytest.approx(per_level * 3)
+    big, basis = tm.estimate("load", "q8", "ggml", 900.0, load_levels=(3, 120.0))
+    assert big == pytest.approx(3 * 120.0) and "capped" in basis

@@ -36,6 +36,7 @@ class MeasuredRun:
     peaks_mb: dict = field(default_factory=dict)   # (stage, key) -> MB measured
     speed_labels: int = 1
     load_variants: int = 1
+    load_cells: int = 1             # load levels one variant ran: repeats x depths x concurrency levels
     reply_budget: dict | None = None                # suite -> budget under its profile (filled by the planner)
 
 
@@ -91,6 +92,9 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
     mr.speed_labels = max(1, len(order[0]))
     served = [n for n, v in ((s.get("load") or {}).get("variants") or {}).items() if v.get("status") == "ok"]
     mr.load_variants = max(1, len(served))
+    lc = s.get("load") or {}
+    mr.load_cells = max(1, int(lc.get("repeats") or 1) * len(lc.get("depths") or [0])
+                        * len(lc.get("concurrency") or [0]))
     for stage, key in (("speed", "speed"), ("load", "load")):
         if (st.get("run_s") or {}).get(key) is not None:
             mr.walls[(stage, "*")] = st["run_s"][key]
@@ -193,8 +197,11 @@ class TimeModel:
         return n, self.run.walls[(stage, n)]
 
     def estimate(self, stage: str, name: str, kind: str, nbytes: float, suites: list[str] | None = None,
-                 params: int | None = None, extra: float = 1.0) -> tuple[float | None, str]:
-        """(seconds, basis) of ``stage`` for the planned variant ``name``."""
+                 params: int | None = None, extra: float = 1.0,
+                 load_levels: tuple[int, float] | None = None) -> tuple[float | None, str]:
+        """(seconds, basis) of ``stage`` for the planned variant ``name``. ``load_levels``: the planned load sweep's
+        levels per variant and the seconds one level may last (load.max_seconds_per_level): a level's measured time
+        scales with the bytes up to that cap, then the levels add up."""
         run = self.run
         if stage in ("prepare", "convert_f16", "parity", "standin", "baseline"):
             # shared stages, and those of one variant with nothing comparable beside them: their own measurement
@@ -220,6 +227,12 @@ class TimeModel:
             per = run.walls[(stage, "*")] / (run.speed_labels if stage == "speed" else run.load_variants)
             ref = self._match("score", name, kind, nbytes)
             ratio = nbytes / (run.variants[ref[0]]["bytes"] or nbytes) if ref else 1.0
+            if stage == "load" and load_levels:
+                levels, cap = load_levels
+                level = per / run.load_cells * ratio * self.factor
+                capped = " (capped: load.max_seconds_per_level)" if level > cap else ""
+                return (min(level, cap) * levels,
+                        f"{run.label} per load level x{ratio:.2g} (bytes) x {levels} levels{capped}")
             return per * ratio * extra * self.factor, f"{run.label} per variant x{ratio * extra:.2g} (bytes)"
         found = self._match(stage, name, kind, nbytes)
         if found is None:

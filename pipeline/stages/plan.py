@@ -146,7 +146,7 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
         add(sp.score(v), run / f"{v.name}.scores", time_kind(v), nbytes)
         add(sp.speed(v), None, time_kind(v), nbytes, extra=_probe_ratio(cfg))
         if v.runtime in cfg.load.runtimes and not v.runtime_options.get("kv_cache"):
-            add(sp.load(v), None, time_kind(v), nbytes)
+            add(sp.load(v), None, time_kind(v), nbytes, load_levels=_load_levels(cfg))
     if baseline_needed and original.runtime != producer.runtime:
         fp = sp.evaluate(original, name=f"original@{original.runtime}")
         fp.stage = "baseline"
@@ -190,6 +190,14 @@ def _calibration_ratio(v) -> float:
     return (int(cal.get("samples", 64)) * int(cal.get("seq_len", 256))) / (64 * 256)
 
 
+def _load_levels(cfg) -> tuple[int, float]:
+    """The load sweep's levels per variant (repeats x depths x concurrency levels, a level past the knee counted
+    too) and the seconds a level may last."""
+    lc = cfg.load
+    depths = len(lc.depths) + (1 if lc.include_workload_depth else 0)
+    return lc.repeats * depths * len(lc.concurrency), float(lc.max_seconds_per_level)
+
+
 def _probe_ratio(cfg) -> float:
     """The speed stage's work per variant against the quick profile's (10 trials of 256 + 64 tokens)."""
     s = cfg.profile.speed
@@ -219,7 +227,8 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
             continue
         name = a.get("key") or fp.variant
         fp.time_s, fp.time_basis = tm.estimate(fp.stage, name, a["kind"], a["nbytes"], suites=a.get("suites"),
-                                               params=a.get("params"), extra=a.get("extra", 1.0))
+                                               params=a.get("params"), extra=a.get("extra", 1.0),
+                                               load_levels=a.get("load_levels"))
 
 
 def measured_budget(cfg, mr) -> dict:
