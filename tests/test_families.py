@@ -19,6 +19,22 @@ CHAT = [{"role": "system", "content": "You answer billing questions for Fernhill
 IDS = [f.name for f in FAMILIES]
 
 
+def test_the_1b_model_has_llama_3_2_1b_s_shapes():
+    """The model that tests the plan's scaling has Llama-3.2-1B's parameter count (1,235,814,400), counted on the
+    meta device, and the Llama 3 family's tokenizer and template."""
+    import torch
+    import transformers
+
+    from pipeline.infra.families import family
+
+    fam = family("llama3-1b")
+    with torch.device("meta"):
+        model = getattr(transformers, fam.model_class)(build_config(fam))
+    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
+    assert (fam.vocab, fam.template) == (family("llama3").vocab, family("llama3").template)
+    assert fam not in FAMILIES        # never in the CI matrix
+
+
 @pytest.mark.parametrize("fam", FAMILIES, ids=IDS)
 def test_the_builder_makes_the_architecture_it_claims(fam):
     cfg = build_config(fam)
