@@ -71,7 +71,7 @@ def compare_rows(cfg) -> dict:
         if fp.stage == "convert_f16":
             disk = ((summary["variants"].get("gguf_f16") or {}).get("memory") or {}).get("artifact_bytes")
         if fp.stage == "prepare":
-            disk = ((summary["variants"].get("original") or {}).get("memory") or {}).get("artifact_bytes")
+            disk = _prepared_bytes(cfg, summary)
         rows.append({"stage": fp.stage, "variant": fp.variant, "plan_s": fp.time_s, "measured_s": measured_s,
                      "basis": fp.time_basis, "in_sample": fp.stage in in_sample, "plan_host_mb": fp.host_bytes / MIB, "measured_host_mb": peak,
                      "plan_disk_mb": fp.disk_bytes / MIB, "measured_disk_mb": disk / MIB if disk else None})
@@ -116,3 +116,17 @@ def compare_run(cfg) -> str:
             summary.append(f"{label}: median absolute error {errs[len(errs) // 2]:.0%}, largest {errs[-1]:.0%} "
                            f"over {len(errs)} stages")
     return "\n".join(lines + [""] + summary)
+
+
+def _prepared_bytes(cfg, summary: dict) -> float | None:
+    """What the prepare stage wrote: the files its manifest lists where the stage is on disk (a folder source is
+    used in place: only its facts are written), else the original's size (a converted GGUF source)."""
+    from pipeline.infra.files import read_json
+    from pipeline.stages.prepare import classify_source
+
+    manifest = cfg.model_dir / "original" / "manifest.json"
+    if manifest.is_file():
+        return float(sum((read_json(manifest).get("files") or {}).values()))
+    if classify_source(cfg.model.source)[0] in ("folder", "hub"):
+        return None
+    return ((summary["variants"].get("original") or {}).get("memory") or {}).get("artifact_bytes")
