@@ -179,3 +179,23 @@ def test_a_load_level_scales_with_the_bytes_up_to_its_time_limit_and_the_levels_
     assert third == pytest.approx(per_level * 3)
     big, basis = tm.estimate("load", "q8", "ggml", 900.0, load_levels=(3, 120.0))
     assert big == pytest.approx(3 * 120.0) and "capped" in basis
+
+
+def test_plan_compare_counts_what_the_prepare_stage_wrote(tmp_path):
+    """A folder source is used in place: the prepare stage writes its facts only, and the comparison measures
+    those (its manifest's files), not the model folder's size."""
+    from types import SimpleNamespace
+
+    from pipeline.stages.plan_compare import _prepared_bytes
+
+    (tmp_path / "original").mkdir()
+    (tmp_path / "original" / "manifest.json").write_text(json.dumps({"files": {"facts.json": 4681}}))
+    summary = {"variants": {"original": {"memory": {"artifact_bytes": 4.9e9}}}}
+    cfg = SimpleNamespace(model_dir=tmp_path, model=SimpleNamespace(source=str(tmp_path)))
+    assert _prepared_bytes(cfg, summary) == 4681
+    (tmp_path / "original" / "manifest.json").unlink()
+    assert _prepared_bytes(cfg, summary) is None            # a folder, the stage not on disk: unknown
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    cfg.model.source = str(gguf)                            # converted: the prepared original's size
+    assert _prepared_bytes(cfg, summary) == 4.9e9
