@@ -215,6 +215,10 @@ class LoadConfig:
     runtimes: list = field(default_factory=lambda: ["llamacpp", "hf"])   # variant runtimes the sweep serves
     generator_processes: int | None = 1    # guidellm worker processes per level; null: guidellm's one per stream
 
+    def sweep_depths(self, workload_context: int) -> list[int]:
+        """The context depths the sweep serves: depths, plus the workload's own context where asked."""
+        return sorted(set(self.depths) | ({workload_context} if self.include_workload_depth else set()))
+
     def __post_init__(self) -> None:
         from pipeline.config.backends import SERVERS
 

@@ -40,14 +40,25 @@ def sequences_that_fit(budget_bytes: float, headroom: float, weights_bytes: floa
     return max(0, int(free // (kv_bytes_per_token * context_tokens)))
 
 
+def _allocated(kv: dict) -> bool:
+    """The report is an allocation for a context (llama.cpp's log of its KV buffer), not a live cache."""
+    return bool(kv.get("allocated_bytes") and kv.get("allocated_cells"))
+
+
 def kv_reported_per_token(kv: dict | None) -> float | None:
     """KV bytes per token as the runtime reports them: llama.cpp's own log of its KV buffer (bytes / cells),
     else the bytes the runtime holds for the live sequence divided by its tokens."""
     if not kv:
         return None
-    if kv.get("allocated_bytes") and kv.get("allocated_cells"):
+    if _allocated(kv):
         return kv["allocated_bytes"] / kv["allocated_cells"]
     return kv["bytes"] / kv["tokens"] if kv.get("tokens") else None
+
+
+def kv_live_tokens(kv: dict | None) -> int | None:
+    """The tokens a live-cache report holds (the context its bytes per token are for); None for an allocation
+    (its context is the runtime's n_ctx) or no report."""
+    return kv.get("tokens") if kv and not _allocated(kv) else None
 
 
 def capacity_plan(v: dict, facts: dict, cap, latent: bool = False) -> dict:

@@ -107,7 +107,9 @@ def device_memory(device: str | None, baseline_used_mb: float | None = None) -> 
     if not nvml and baseline_used_mb is not None:
         # no per-process figure: what the device holds now beyond what it held before this process loaded
         # anything (the probe runs alone on the device; a lower bound of its peak, like NVML's own reading)
-        now = nvml_device_used_mb(int(str(device).split(":")[1]) if ":" in str(device) else 0)
+        from pipeline.runtimes.placement import device_index
+
+        now = nvml_device_used_mb(device_index(device))
         if now is not None and now > baseline_used_mb:
             out["nvml_device_delta_mb"] = now - baseline_used_mb
     readings = [x for x in (out.get("nvml_process_mb"), out.get("nvml_device_delta_mb"),

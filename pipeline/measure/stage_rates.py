@@ -90,9 +90,9 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
         mr.walls[("score", name)] = (row.get("scoring") or 0) + (row.get("checks") or 0) + (row.get("deployment") or 0)
     order = (s.get("speed_protocol") or {}).get("order") or [[]]
     mr.speed_labels = max(1, len(order[0]))
-    served = [n for n, v in ((s.get("load") or {}).get("variants") or {}).items() if v.get("status") == "ok"]
-    mr.load_variants = max(1, len(served))
     lc = s.get("load") or {}
+    served = [n for n, v in (lc.get("variants") or {}).items() if v.get("status") == "ok"]
+    mr.load_variants = max(1, len(served))
     mr.load_cells = max(1, int(lc.get("repeats") or 1) * len(lc.get("depths") or [0])
                         * len(lc.get("concurrency") or [0]))
     for stage, key in (("speed", "speed"), ("load", "load")):

@@ -15,7 +15,8 @@ from pipeline.stages.speed import trial_figures
 from pipeline.measure.stats import (checks_intervals, conversation_intervals, conversation_test,
                                     minimum_detectable)
 from pipeline.infra.files import read_json, read_jsonl
-from pipeline.measure.capacity import kv_bytes_per_token_formula, kv_reported_per_token, roofline
+from pipeline.measure.capacity import (kv_bytes_per_token_formula, kv_live_tokens, kv_reported_per_token,
+                                       roofline)
 
 __all__ = ["variant_summary", "pooled_exactness", "imatrix_effects"]
 
@@ -253,8 +254,7 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
     reported = kv_reported_per_token(kv)
     # the formula is checked at the context the report counts: llama.cpp's allocation for its own context (n_ctx
     # cells), transformers' live cache at the tokens it holds (its sliding-window layers keep at most their window)
-    live = kv.get("tokens") if kv and not (kv.get("allocated_bytes") and kv.get("allocated_cells")) else None
-    report_context = int(live or info.get("n_ctx") or kv_context)
+    report_context = int(kv_live_tokens(kv) or info.get("n_ctx") or kv_context)
     at_runtime = kv_bytes_per_token_formula(facts, element, report_context, runtime.latent_kv_cache)
     gap = abs(reported - at_runtime) / at_runtime if reported else None
     memory = {

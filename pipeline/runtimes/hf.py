@@ -14,6 +14,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from pipeline.infra.errors import ConfigError, Skip
+from pipeline.runtimes.placement import device_index, hf_placement
 from pipeline.runtimes.base import (FullLogitsRuntime, Generation, TokenChoice, as_blocks, block_rows,
                                     greedy_decode, greedy_decode_many, in_position_order)
 
@@ -43,7 +44,7 @@ def resolve_device(requested: str) -> str:
         if not torch.cuda.is_available():
             raise ConfigError(f"runtime.device={requested!r} but torch {torch.__version__} sees no CUDA device: "
                               "use runtime.device=cpu, or install a CUDA torch (make setup TORCH=cuda)")
-        index = int(requested.split(":")[1]) if ":" in requested else 0
+        index = device_index(requested)
         if index >= torch.cuda.device_count():
             raise ConfigError(f"runtime.device={requested!r}: only {torch.cuda.device_count()} CUDA device(s)")
     return requested
@@ -132,8 +133,6 @@ class HFRuntime(FullLogitsRuntime):
         load = self._load_options(Path(artifact))
         self.placement = None
         if self.device.startswith("cuda") and rcfg.gpus != 1:
-            from pipeline.runtimes.placement import hf_placement
-
             self.placement = hf_placement(Path(artifact), dtype, rcfg.gpus, rcfg.gpu_headroom, trust_remote_code)
             self.device = f"cuda:{self.placement.devices[0]}"      # where the input ids and the embedding are
             if self.placement.split:

@@ -220,8 +220,9 @@ class LlamaCppRuntime(FullLogitsRuntime):
         (pipeline.runtimes.placement) of the file's tensors, applied as a layer split whose tensor_split gives
         exactly the planned layer counts."""
         if rcfg.gpus == 1:
-            index = int(rcfg.device.split(":")[1]) if ":" in rcfg.device else 0
-            return {"split_mode": llama_cpp.LLAMA_SPLIT_MODE_NONE, "main_gpu": index}
+            from pipeline.runtimes.placement import device_index
+
+            return {"split_mode": llama_cpp.LLAMA_SPLIT_MODE_NONE, "main_gpu": device_index(rcfg.device)}
         self.placement = gguf_placement(path, rcfg.gpus, rcfg.gpu_headroom)
         if not self.placement.split:
             return {"split_mode": llama_cpp.LLAMA_SPLIT_MODE_NONE, "main_gpu": self.placement.devices[0]}

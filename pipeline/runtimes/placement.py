@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.infra.errors import ConfigError
+from pipeline.measure.footprint import MIB
 
-MIB = 2**20
 GB = 1e9
 CUDA_CONTEXT_B = 500 * MIB      # the CUDA context and kernels' workspace on each device a model touches
 
@@ -102,6 +102,11 @@ class Placement:
         return {"devices": self.devices, "layers": self.layers,
                 "planned_gb": [round(b / GB, 3) for b in self.planned],
                 "usable_gb": [round(b / GB, 3) for b in self.usable], "why": self.why}
+
+
+def device_index(device: str) -> int:
+    """The CUDA ordinal a device setting names: ``cuda:N`` -> N, ``cuda`` (or ``auto``) -> 0."""
+    return int(str(device).split(":")[1]) if ":" in str(device) else 0
 
 
 def single_device_args(index: int) -> list[str]:

@@ -38,11 +38,10 @@ def serve_settings(cfg, variant) -> dict:
 def device_args(gguf: Path, settings: dict) -> tuple[list[str], dict | None]:
     """llama-server's device arguments on CUDA and the placement they apply (None on one device): runtime.device's
     GPU alone, or with runtime.gpus the same placement as the llama.cpp runtime's."""
-    from pipeline.runtimes.placement import single_device_args
+    from pipeline.runtimes.placement import device_index, single_device_args
 
     if settings.get("gpus", 1) == 1:
-        device = settings.get("device", "cuda")
-        return single_device_args(int(device.split(":")[1]) if ":" in device else 0), None
+        return single_device_args(device_index(settings.get("device", "cuda"))), None
     from pipeline.runtimes.llamacpp import gguf_placement
 
     placement = gguf_placement(Path(gguf), settings["gpus"], settings["gpu_headroom"])

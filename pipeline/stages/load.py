@@ -125,7 +125,7 @@ def run_load(cfg, generate=None) -> dict:
     renderer = ChatRenderer(original.checkpoint, cfg.model.trust_remote_code, cfg.model.allow_plain_template)
     suites = load_suites(cfg, original, renderer)
     gpu = cfg.runtime.device.startswith("cuda")
-    depths = sorted(set(lc.depths) | {wl.context_tokens}) if lc.include_workload_depth else sorted(set(lc.depths))
+    depths = lc.sweep_depths(wl.context_tokens)
     budget_mb = memory_budget_mb(cfg, gpu)
 
     # per variant: what serves it, or why nothing does

@@ -65,12 +65,10 @@ def machine_free(cfg, on_device: bool) -> dict:
     elif on_device:
         import torch
 
-        free["device_bytes"] = torch.cuda.mem_get_info(_device_index(cfg.runtime.device))[0]
+        from pipeline.runtimes.placement import device_index
+
+        free["device_bytes"] = torch.cuda.mem_get_info(device_index(cfg.runtime.device))[0]
     return free
-
-
-def _device_index(device: str) -> int:
-    return int(device.split(":")[1]) if ":" in device else 0
 
 
 def _on_device(cfg) -> bool:
@@ -194,8 +192,8 @@ def _load_levels(cfg) -> tuple[int, float]:
     """The load sweep's levels per variant (repeats x depths x concurrency levels, a level past the knee counted
     too) and the seconds a level may last."""
     lc = cfg.load
-    depths = len(lc.depths) + (1 if lc.include_workload_depth else 0)
-    return lc.repeats * depths * len(lc.concurrency), float(lc.max_seconds_per_level)
+    return (lc.repeats * len(lc.sweep_depths(cfg.workload.context_tokens)) * len(lc.concurrency),
+            float(lc.max_seconds_per_level))
 
 
 def _probe_ratio(cfg) -> float:
