@@ -199,3 +199,39 @@ def test_plan_compare_counts_what_the_prepare_stage_wrote(tmp_path):
     gguf.write_bytes(b"GGUF")
     cfg.model.source = str(gguf)                            # converted: the prepared original's size
     assert _prepared_bytes(cfg, summary) == 4.9e9
+
+
+def test_the_plan_counts_every_process_a_stage_holds(tiny_cfg):
+    """What a stage holds beside its runtime, as the 1.24 B run's stage manifests measured it: the pipeline's own
+    process under every in-process stage (a reused reference too), none under a speed probe, the load generator
+    and the driving process beside a server, and the original's exact rows in the first scoring stage with full
+    logits only."""
+    from pipeline.measure.stage_plan import LOADGEN_B, PIPELINE_PROCESS_B
+    from pipeline.stages.plan import build_plan
+
+    cfg = tiny_cfg("run.variants=[original,gguf_q8_0,gguf_q4_k_m]", "runtime.device=cpu")
+    rows = {(r.stage, r.variant): r for r in build_plan(cfg, with_times=False)["rows"]}
+    assert rows[("evaluate", "original")].host_bytes == PIPELINE_PROCESS_B        # reuses the reference
+    assert "pipeline_process" not in rows[("speed", "gguf_q8_0")].parts
+    assert rows[("evaluate", "gguf_q8_0")].host_bytes - rows[("speed", "gguf_q8_0")].host_bytes >= PIPELINE_PROCESS_B * 0.9
+    load = rows[("load", "gguf_q8_0")]
+    assert load.parts["load_generator"] == LOADGEN_B and load.parts["pipeline_process"] == PIPELINE_PROCESS_B
+    # the first scoring stage with full logits holds the larger of its variant and the original's exact build
+    from pipeline.config.compose import variant_of
+    from pipeline.measure.model_inventory import model_inventory
+    from pipeline.measure.stage_plan import EXACT_SAMPLE_TOKENS, StagePlanner, Workload
+
+    from transformers import LlamaConfig
+
+    big = inventory(LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True))
+    sp = StagePlanner(cfg, big, Workload.of(cfg), False)         # Llama-3.2-1B's shapes
+    original, q8 = variant_of(cfg, "original"), variant_of(cfg, "gguf_q8_0")
+    ctx = min(Workload.of(cfg).context_tokens or 256, int(sp.facts.get("context_length") or 1 << 30))
+    exact = sp.loaded(original, ctx, logits_rows=sp.scored_rows(original, EXACT_SAMPLE_TOKENS), copies=3)[0]
+    alone, building = sp.score(q8), sp.score(q8, original)
+    assert exact > alone.host_bytes
+    assert building.host_bytes == exact
+    small = StagePlanner(cfg, model_inventory(cfg), Workload.of(cfg), False)      # the plan's own, on the tiny model
+    assert rows[("score", "gguf_q8_0")].host_bytes == small.score(q8, original).host_bytes   # the first builds them
+    assert rows[("score", "gguf_q4_k_m")].host_bytes == small.score(variant_of(cfg, "gguf_q4_k_m")).host_bytes

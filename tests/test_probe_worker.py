@@ -104,7 +104,8 @@ def test_each_trial_reads_its_own_peak_not_the_process_high_water_mark():
     load's, in every trial)."""
     import numpy as np
 
-    from pipeline.measure.memory import peak_rss_mb, reset_peak_rss
+    from pipeline.infra.stage_memory import reset_peak_rss
+    from pipeline.measure.memory import peak_rss_mb
 
     assert reset_peak_rss(), "this kernel refuses /proc/self/clear_refs"
     big = np.ones(256 * 2**20 // 8)

@@ -91,3 +91,46 @@ def test_stage_build_sees_the_journal_of_an_interrupted_attempt(tmp_path):
     assert done_first == ["x", "y"] and redone == ["z"]
     assert json.loads((out / "all.json").read_text()) == ["X", "Y", "Z"]
     assert not journal_path(out).exists(), "the journal is removed once the stage is complete"
+
+
+def _hold_mb(mb: int) -> bytearray:
+    buf = bytearray(mb * 2**20)
+    buf[::4096] = b"\x01" * len(buf[::4096])       # touch every page: resident, not just reserved
+    return buf
+
+
+def test_each_stage_records_its_own_peak_host_memory_not_the_process_lifetime_one(tmp_path):
+    """A stage that held 300 MB, then a small stage in the same process: the small stage's peak must not carry
+    the first one's (a lifetime high-water mark would), and a nested stage's reset must not erase the outer's."""
+    def big(tmp):
+        buf = _hold_mb(300)
+        del buf
+        return {}
+
+    first = run_stage("big", tmp_path / "big", {"k": 1}, big)["host_memory"]
+    assert first["peak_own_rss_mb"] - first["start_rss_mb"] >= 280
+    second = run_stage("small", tmp_path / "small", {"k": 1}, lambda tmp: {})["host_memory"]
+    assert second["peak_host_mb"] < first["peak_host_mb"] - 200
+
+    def outer(tmp):
+        buf = _hold_mb(250)
+        del buf
+        inner = run_stage("inner", tmp_path / "inner", {"k": 1}, lambda t: {})
+        return {"inner_peak": inner["host_memory"]["peak_host_mb"]}
+
+    m = run_stage("outer", tmp_path / "outer", {"k": 1}, outer)
+    assert m["host_memory"]["peak_own_rss_mb"] - m["host_memory"]["start_rss_mb"] >= 230
+    assert m["inner_peak"] < m["host_memory"]["peak_host_mb"] - 150
+
+
+def test_a_stage_counts_the_memory_of_the_children_it_ran(tmp_path):
+    import subprocess
+    import sys
+
+    code = "b = bytearray(200 * 2**20); b[::4096] = b'\\x01' * len(b[::4096]); import time; time.sleep(0.6)"
+    m = run_stage("child", tmp_path / "child", {"k": 1},
+                  lambda tmp: subprocess.run([sys.executable, "-c", code], check=True) and {})
+    mem = m["host_memory"]
+    assert mem["peak_children_rss_mb"] >= 200
+    assert mem["peak_host_mb"] >= mem["peak_children_rss_mb"]
+    assert mem["peak_host_mb"] >= mem["start_rss_mb"] + 150       # the child sampled beside this process

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 from pipeline.infra.cpus import usable_cpus
 from pipeline.infra.files import dumps, read_json, stable_hash, write_json
+from pipeline.infra.stage_memory import StagePeak
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,8 @@ def run_stage(stage: str, out_dir: Path, key: dict, build: Callable[[Path], dict
         journal_dir.mkdir(parents=True, exist_ok=True)
         log.info("%s: building %s", stage, out_dir)
         started = time.time()
-        extra = build(tmp) or {}
+        with StagePeak() as peak:
+            extra = build(tmp) or {}
         manifest = {
             "stage": stage,
             "key_hash": key_hash,
@@ -135,6 +137,7 @@ def run_stage(stage: str, out_dir: Path, key: dict, build: Callable[[Path], dict
             "wall_s": round(time.time() - started, 3),
             "versions": library_versions(),
             "hardware": hardware(),
+            "host_memory": peak.record(),
             **extra,
         }
         manifest["files"] = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}

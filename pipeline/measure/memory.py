@@ -1,35 +1,13 @@
-"""The resident memory of this process (a leaf module: the probe child and the quantizer child both record it)."""
+"""Memory readings: this process's high-water mark, device memory (NVML, torch), a sampling thread (the probe child and the
+quantizer child record them; the /proc readings themselves live in pipeline.infra.stage_memory)."""
 
 from __future__ import annotations
 
 import resource
 import threading
 import time
-from pathlib import Path
 
-
-def status_mb(field: str, pid: int | str = "self") -> float | None:
-    """A memory field of /proc/PID/status (``VmHWM``: resident high-water mark, ``VmRSS``: resident now) in MB;
-    None where the process has gone or there is no procfs."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's resident high-water mark (VmHWM) to its resident size now, so that a later
-    ``peak_rss_mb`` is the peak of what ran in between (one speed trial), not of the process's whole life (its
-    model load included). Linux 4.0+: writing 5 to /proc/self/clear_refs. False where the kernel refuses it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        return False
-    return True
+from pipeline.infra.stage_memory import status_mb
 
 
 def peak_rss_mb() -> float:

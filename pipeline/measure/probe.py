@@ -23,7 +23,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.infra.child_processes import child_options
-from pipeline.measure.memory import device_memory, peak_rss_mb, reset_peak_rss, status_mb
+from pipeline.infra.stage_memory import reset_peak_rss, status_mb
+from pipeline.measure.memory import device_memory, peak_rss_mb
 
 log = logging.getLogger(__name__)
 

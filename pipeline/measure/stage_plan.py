@@ -24,6 +24,12 @@ GGUF_OVERHEAD_B = 90 * MIB          # llama.cpp: 85-94 MiB over F16, Q8_0 and Q4
 # modelled weights, activations and Hessians are about 750)
 QUANTIZER_LIBS_B = 830 * MIB
 CONVERTER_LIBS_B = 300 * MIB        # llama.cpp's converter (torch for the lazy tensors, gguf-py)
+# the pipeline's own process, under a stage that loads a runtime in it: Python, torch, transformers, the tokenizer
+# and the run's data (420-730 MiB at the start of each stage of the 1.24 B run, stage manifests' host_memory);
+# a speed probe or a server is a process of its own, with only its runtime's overhead above
+PIPELINE_PROCESS_B = 600 * MIB
+LOADGEN_B = 900 * MIB               # guidellm's process during a load level (1.24 B run: 3,508 MiB of children
+                                    # beside a 2,606 MiB llama-server)
 # reference transcripts: per reply token the top-K ids and log-probs (int32 + float32 each, K = 1024: 8 KB), and
 # the whole distribution (4 bytes x vocabulary) at the share of positions whose tail mass is above the limit
 # (committed run: 911 of 7588 positions, 12 %)
@@ -156,9 +162,10 @@ class StagePlanner:
                                                                   int(self.facts["head_dim"]))
 
     def loaded(self, variant, context: int, sequences: int = 1, logits_rows: int = 0, copies: int = 1,
-               gguf_type: str | None = None) -> tuple[float, float, dict]:
+               gguf_type: str | None = None, in_process: bool = True) -> tuple[float, float, dict]:
         """(host, device, parts) of ``variant``'s runtime holding its weights, ``sequences`` KV caches of
-        ``context`` tokens and ``logits_rows`` float32 rows of logits (``copies`` of them)."""
+        ``context`` tokens and ``logits_rows`` float32 rows of logits (``copies`` of them); ``in_process``: loaded
+        in the pipeline's own process (whose libraries and data come on top), not in a probe or a server."""
         from pipeline.runtimes import runtime_class
 
         kind = "ggml" if gguf_type or weight_kind(variant) == "ggml" else "torch"
@@ -178,6 +185,9 @@ class StagePlanner:
                 weights = dense_bytes(self.inv, dtype)
             overhead = HF_OVERHEAD_B + (HF_QUANTIZED_EXTRA_B if weight_kind(variant) == "packed" else 0)
             element = self.kv_element_bytes(variant, dtype)
+        if in_process:
+            # transformers' own overhead is the same libraries the process has already imported
+            overhead += PIPELINE_PROCESS_B - (HF_OVERHEAD_B if kind == "torch" else 0)
         parts = {"weights": weights, "kv_cache": kv_bytes(self.facts, element, context, sequences, latent),
                  "logits": logits_bytes(logits_rows, self.vocab, copies)}
         if self.on_device:
@@ -194,9 +204,9 @@ class StagePlanner:
             fp.disk_bytes = dense + self.inv.extra_bytes
             # transformers dequantizes into a dense model, then save_pretrained serializes a second copy
             fp.parts = {"dense_model": dense, "serialized": dense, "source_file": self.inv.source_file_bytes,
-                        "libraries": HF_OVERHEAD_B}
-        else:
-            fp.parts = {"libraries": HF_OVERHEAD_B}        # a folder is used in place: config and tokenizer only
+                        "pipeline_process": PIPELINE_PROCESS_B}
+        else:       # a folder is used in place: config and tokenizer only
+            fp.parts = {"pipeline_process": PIPELINE_PROCESS_B}
         fp.host_bytes = sum(fp.parts.values())
         return fp
 
@@ -211,7 +221,9 @@ class StagePlanner:
         if kind == "ggml":
             ftype = variant.quantize["type"].upper()
             fp.disk_bytes = 0 if ftype == "F16" else self.gguf(ftype)["bytes"]   # F16: a hard link to the conversion
-            fp.parts = {"tensor_buffers": 2 * 4 * self.inv.largest_tensor, "runtime": GGUF_OVERHEAD_B}
+            # llama-quantize's buffers, beside the pipeline's process that waits for it
+            fp.parts = {"tensor_buffers": 2 * 4 * self.inv.largest_tensor, "runtime": GGUF_OVERHEAD_B,
+                        "pipeline_process": PIPELINE_PROCESS_B}
             if variant.quantize.get("imatrix"):
                 host, _, parts = self.loaded(variant, int(variant.quantize.get("imatrix_ctx", 512)),
                                              logits_rows=int(variant.quantize.get("imatrix_ctx", 512)),
@@ -285,6 +297,7 @@ class StagePlanner:
         fp = Footprint("evaluate", name or variant.name)
         if reuses_reference:
             fp.time_basis = "reuses the reference transcripts"
+            fp.host_bytes, fp.parts = PIPELINE_PROCESS_B, {"pipeline_process": PIPELINE_PROCESS_B}
             return fp
         ctx = min(self.work.context_tokens or 256, int(self.facts.get("context_length") or 1 << 30))
         batch = self.cfg.profile.batch
@@ -293,16 +306,26 @@ class StagePlanner:
         fp.disk_bytes = 16 * 1024 * self.work.conversations + 64 * self.work.reply_tokens
         return fp
 
-    def score(self, variant) -> Footprint:
+    def score(self, variant, builds_exact_sample_with=None) -> Footprint:
+        """``builds_exact_sample_with``: the original, when this scoring stage is the one that builds the
+        original's exact rows (the first variant with full logits: its own stage, run before the variant loads)."""
         ctx = min(self.work.context_tokens or 256, int(self.facts.get("context_length") or 1 << 30))
         host, device, parts = self.loaded(variant, ctx, logits_rows=self.scored_rows(variant, ctx), copies=2)
+        if builds_exact_sample_with is not None:
+            # the original on transformers, its full float64 rows at the sample written a block at a time
+            h2, d2, p2 = self.loaded(builds_exact_sample_with, ctx,
+                                     logits_rows=self.scored_rows(builds_exact_sample_with, EXACT_SAMPLE_TOKENS),
+                                     copies=3)
+            if h2 + d2 > host + device:
+                host, device, parts = h2, d2, {f"exact_sample_{k}": v for k, v in p2.items()}
         # per scored token: the KLD and its top-K comparison (about 150 bytes in the committed run's scores)
         return Footprint("score", variant.name, disk_bytes=150 * self.work.reply_tokens, host_bytes=host,
                          device_bytes=device, parts=parts)
 
     def speed(self, variant) -> Footprint:
         sp = self.cfg.profile.speed
-        host, device, parts = self.loaded(variant, sp.prompt_tokens + sp.decode_tokens, logits_rows=1)
+        host, device, parts = self.loaded(variant, sp.prompt_tokens + sp.decode_tokens, logits_rows=1,
+                                          in_process=False)
         return Footprint("speed", variant.name, disk_bytes=16 * 1024, host_bytes=host, device_bytes=device,
                          parts=parts)
 
@@ -311,6 +334,9 @@ class StagePlanner:
         depth = max(lc.depths) if lc.depths else 512
         out = lc.output_tokens or 256
         slots = max(lc.concurrency) if lc.concurrency else 1
-        host, device, parts = self.loaded(variant, depth + out + lc.ctx_margin, sequences=slots, logits_rows=slots)
-        return Footprint("load", variant.name, disk_bytes=64 * 1024, host_bytes=host, device_bytes=device,
-                         parts=parts)
+        host, device, parts = self.loaded(variant, depth + out + lc.ctx_margin, sequences=slots, logits_rows=slots,
+                                          in_process=False)
+        # beside the server: the load generator and the pipeline's process that drives them
+        parts = {**parts, "load_generator": LOADGEN_B, "pipeline_process": PIPELINE_PROCESS_B}
+        return Footprint("load", variant.name, disk_bytes=64 * 1024, host_bytes=host + LOADGEN_B + PIPELINE_PROCESS_B,
+                         device_bytes=device, parts=parts)

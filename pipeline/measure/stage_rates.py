@@ -106,6 +106,11 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
             mr.peaks_mb[("quantize", name.split("+", 1)[0])] = art["quantize_peak_rss_mb"]
         if mem.get("peak_rss_mb") is not None:
             mr.peaks_mb[("speed", name)] = mem["peak_rss_mb"]
+    # every stage's peak host memory (this process and its children), where the run recorded it; a speed
+    # probe's own peak (per variant, above) is the probe process alone
+    for stage, keys in (st.get("peak_host_mb") or {}).items():
+        for key, mb in keys.items():
+            mr.peaks_mb.setdefault((stage, key), mb)
     # the stages the summary leaves out, from their manifests where the run's artifacts are still on disk
     md = Path(artifacts) / model
 
@@ -144,8 +149,10 @@ def choose_run(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> Meas
     return max(runs, key=rank) if runs else None
 
 
-def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measure=None) -> tuple[float, str]:
-    """(multiplier, what it rests on): 1 on the run's own CPU; else the run's bandwidth / this machine's now."""
+def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measure=None,
+                       recorded_here: float | None = None) -> tuple[float, str]:
+    """(multiplier, what it rests on): 1 on the run's own CPU; else the run's bandwidth / this machine's, measured
+    now, or ``recorded_here`` (bytes/s this machine recorded earlier: a compared run's own reading)."""
     if mr.cpu_key and mr.cpu_key == cpu_key:
         return 1.0, f"measured here ({mr.label}, same CPU key {cpu_key})"
     if not mr.bandwidth_bytes_per_s:
@@ -155,10 +162,11 @@ def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measu
 
         def measure():
             return measure_bandwidth("cpu", mib=128, repeats=3, threads=threads)["bytes_per_s"]
-    here = measure()
+    here = recorded_here or measure()
     factor = mr.bandwidth_bytes_per_s / here
     return factor, (f"calibration: {mr.label} ({mr.cpu}, {mr.bandwidth_bytes_per_s / 1e9:.1f} GB/s) rescaled by "
-                    f"this machine's bandwidth measured now ({here / 1e9:.1f} GB/s)")
+                    f"this machine's bandwidth {'as the compared run recorded it' if recorded_here else 'measured now'} "
+                    f"({here / 1e9:.1f} GB/s)")
 
 
 @dataclass

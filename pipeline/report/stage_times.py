@@ -17,6 +17,38 @@ def _wall(folder: Path) -> float | None:
     return float(m["wall_s"]) if m and m.get("wall_s") is not None else None
 
 
+def _peak(folder: Path) -> float | None:
+    m = load_manifest(folder)
+    return ((m or {}).get("host_memory") or {}).get("peak_host_mb")
+
+
+def stage_peaks(cfg: Config, names: list[str]) -> dict[str, dict[str, float]]:
+    """Each stage's peak host memory in MB (this process and its children, ``host_memory`` in the stage's
+    manifest), keyed as the planner keys its stages: stage -> key (a suite, a variant, a base artifact, "-" for a
+    model-level stage, "*" for a run-level one). Stages built before manifests carried it are left out."""
+    md, run = cfg.model_dir, cfg.model_dir / "runs" / cfg.run.name
+    ref = md / "reference" / cfg.run.name
+    folders: dict[tuple[str, str], list[Path]] = {
+        ("prepare", "-"): [md / "original"], ("convert_f16", "-"): [md / "gguf-f16"], ("parity", "-"): [md / "parity"],
+        ("speed", "*"): [run / "speed"], ("load", "*"): [run / "load"]}
+    for suite in cfg.run.suites:
+        folders[("reference", suite)] = [ref / part for part in (suite, f"{suite}-logprobs", f"{suite}-exact_rows")]
+    for name in names:
+        base = name.split("+", 1)[0]
+        folders[("quantize", base)] = [md / "variants" / base]
+        folders[("standin", base)] = [md / "variants" / f"{base}{s}" for s in (".dequantized", ".dequantized-f16")]
+        folders[("evaluate", name)] = [run / name]
+        folders[("score", name)] = [run / f"{name}{s}" for s in (".scores", ".checks", ".served")]
+    for folder in sorted(run.glob("original@*")):
+        folders[("baseline", folder.name.split("@", 1)[1])] = [folder]
+    out: dict[str, dict[str, float]] = {}
+    for (stage, key), paths in folders.items():
+        peaks = [p for p in (_peak(f) for f in paths) if p is not None]
+        if peaks:
+            out.setdefault(stage, {})[key] = max(peaks)
+    return out
+
+
 def evaluation_stages(cfg: Config, name: str) -> dict[str, float | None]:
     """One variant's stages of this run, in seconds (None: the stage has no manifest, e.g. never ran for it)."""
     run = cfg.model_dir / "runs" / cfg.run.name
@@ -67,7 +99,8 @@ def other_sweeps(run: Path) -> dict[str, dict]:
 def run_stages(cfg: Config, names: list[str]) -> dict:
     """The run's stages in seconds: the references per suite, per variant its free-running, scoring and
     deployment-path stages, the run-level speed and (short) load stages, and their total (quantizing is left out:
-    it is once per model, not per run); beside them, not in the total, the run's other load sweeps."""
+    it is once per model, not per run); beside them, not in the total, the run's other load sweeps; and every
+    stage's peak host memory (``stage_peaks``, the model-level stages included)."""
     run = cfg.model_dir / "runs" / cfg.run.name
     variants = {}
     for name in names:
@@ -78,4 +111,4 @@ def run_stages(cfg: Config, names: list[str]) -> dict:
     references = reference_stages(cfg)
     total = sum(references.values()) + sum(sum(r.values()) for r in variants.values()) + sum(shared.values())
     return {"references_s": references, "variants_s": variants, "run_s": shared, "total_s": total,
-            "other_sweeps": other_sweeps(run)}
+            "other_sweeps": other_sweeps(run), "peak_host_mb": stage_peaks(cfg, names)}

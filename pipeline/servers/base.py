@@ -205,7 +205,7 @@ class ServedEngine:
 
     def peak_rss_mb(self) -> float | None:
         """The server's resident high-water mark so far (read while it runs: gone after stop)."""
-        from pipeline.measure.memory import status_mb
+        from pipeline.infra.stage_memory import status_mb
 
         return status_mb("VmHWM", self.proc.pid) if self.proc and self.proc.poll() is None else None
 

@@ -92,7 +92,8 @@ def _built(folder: Path) -> bool:
 
 
 def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclude_run: str | None = None,
-               inventory=None, workload=None, leave_out: bool = False) -> dict:
+               inventory=None, workload=None, leave_out: bool = False,
+               bandwidth_here: float | None = None) -> dict:
     """The stages of a run (every variant of ``variants``, default the run's) with their footprints and the
     totals of what is still to be built. ``exclude_run``: a measured run not to take times from; ``leave_out``:
     never take a variant's time from its own measurement (a run compared with itself)."""
@@ -127,6 +128,7 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
         add(sp.reference(suite, producer, original), md / "reference" / cfg.run.name / f"{suite}-logprobs",
             "ggml", sp.gguf("F16")["bytes"], suites=[suite], params=params)
     baseline_needed = False
+    exact_pending = True        # the first scoring stage that needs the original's exact rows builds them
     bases_done: set[str] = set()
     for v in variants:
         kind = weight_kind(v)
@@ -141,7 +143,9 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
         generated_on = producer.runtime if (reuses or sp.standin(v)) else v.runtime
         baseline_needed |= generated_on != producer.runtime
         add(sp.evaluate(v, reuses_reference=reuses), run / v.name, time_kind(v, "evaluate"), nbytes)
-        add(sp.score(v), run / f"{v.name}.scores", time_kind(v), nbytes)
+        exact_here = exact_pending and _scores_exactness(v, original)
+        exact_pending &= not exact_here
+        add(sp.score(v, original if exact_here else None), run / f"{v.name}.scores", time_kind(v), nbytes)
         add(sp.speed(v), None, time_kind(v), nbytes, extra=_probe_ratio(cfg))
         if v.runtime in cfg.load.runtimes and not v.runtime_options.get("kv_cache"):
             add(sp.load(v), None, time_kind(v), nbytes, load_levels=_load_levels(cfg))
@@ -154,7 +158,7 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
             "variants": [v.name for v in variants], "on_device": on_device, "workload": work.__dict__,
             "rows": rows, "time_basis": None}
     if with_times:
-        _add_times(cfg, plan, sp, exclude_run, leave_out)
+        _add_times(cfg, plan, sp, exclude_run, leave_out, bandwidth_here)
     plan["totals"] = totals(rows)
     if on_device and cfg.runtime.gpus != 1:
         plan["device_blocks"] = device_blocks(inv, rows)
@@ -171,6 +175,16 @@ def device_blocks(inv, rows: list[Footprint]) -> list:
         return []
     parts = max(todo, key=lambda r: r.device_bytes).parts
     return model_blocks(inv, parts.get("weights", 0.0), parts.get("kv_cache", 0.0), parts.get("logits", 0.0))
+
+
+def _scores_exactness(v, original) -> bool:
+    """Whether ``v``'s scoring compares the stored KLD with the exact one (stages.score: a runtime with full logits
+    that is not the original on its own runtime), which needs the original's exact rows."""
+    from pipeline.runtimes import runtime_class
+
+    cls = runtime_class(v.runtime)
+    return cls.full_logits and not (v.base == original.base and v.runtime == original.runtime
+                                    and not cls.kv_cache_applied(v.runtime_options))
 
 
 def plan_original(cfg):
@@ -202,7 +216,10 @@ def _probe_ratio(cfg) -> float:
     return (s.trials * s.repeats * (s.prompt_tokens / 8 + s.decode_tokens)) / (10 * (256 / 8 + 64))
 
 
-def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = False) -> None:
+def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = False,
+               bandwidth_here: float | None = None) -> None:
+    """``bandwidth_here``: this machine's bandwidth as already measured (a compared run's own record), instead
+    of the calibration's measurement now."""
     from pipeline.infra.stage_cache import hardware
     from pipeline.measure.stage_rates import TimeModel, calibration_factor, choose_run, find_runs
 
@@ -214,7 +231,7 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
                               "results/smollm2-135m-instruct/quick is one): times not estimated")
         return
     mr.reply_budget = measured_budget(cfg, mr)
-    factor, basis = calibration_factor(mr, key, cfg.runtime.n_threads)
+    factor, basis = calibration_factor(mr, key, cfg.runtime.n_threads, recorded_here=bandwidth_here)
     tm = TimeModel(run=mr, factor=factor, basis=basis, leave_out=leave_out,
                    plan_budget={s: w["reply_tokens"] for s, w in sp.work.per_suite.items()})
     plan["time_basis"] = basis

@@ -1,6 +1,6 @@
 """A finished run's plan beside what it measured: ``quantdrift plan plan.compare=true`` (the run named by
-run.name, or plan.measured=results/<model>/<run>). Per stage and variant: time, peak host memory where the run
-measured one (the speed probes' and the quantizers' peak RSS), and the artifact's bytes.
+run.name, or plan.measured=results/<model>/<run>). Per stage and variant: time, peak host memory (each stage's
+manifest records its own and its children's; a speed probe's row is that probe alone), and the artifact's bytes.
 
 Times are never taken from the run being compared: from another finished run when there is one, else each
 variant's stages from its nearest sibling variant of this run (the same weight kind, scaled by bytes), which is
@@ -14,10 +14,11 @@ from pathlib import Path
 
 from pipeline.infra.errors import ConfigError
 from pipeline.measure.footprint import MIB
+from pipeline.measure.stage_plan import PIPELINE_PROCESS_B
 
 
 def _err(plan: float | None, measured: float | None) -> str:
-    if plan is None or not measured:
+    if plan is None or not measured or measured < 1:       # under 1 MB or 1 s: nothing to plan
         return ""
     return f"{(plan - measured) / measured:+.0%}"
 
@@ -54,8 +55,9 @@ def compare_rows(cfg) -> dict:
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=summary["run"]["name"],
                                                             suites=list(summary["run"]["suites"]), variants=names))
     others = find_runs(Path(cfg.paths.results), Path(cfg.paths.artifacts), exclude=mr.label)
+    # another CPU's run is rescaled by the bandwidth this run recorded when it ran, not by a reading taken now
     plan = build_plan(cfg, variants=[variant_of(cfg, n) for n in names], exclude_run=mr.label if others else None,
-                      leave_out=not others)
+                      leave_out=not others, bandwidth_here=mr.bandwidth_bytes_per_s)
     in_sample = ("prepare", "convert_f16", "parity", "reference", "standin", "baseline") if not others else ()
     rows = []
     for fp in plan["rows"]:
@@ -75,20 +77,28 @@ def compare_rows(cfg) -> dict:
         rows.append({"stage": fp.stage, "variant": fp.variant, "plan_s": fp.time_s, "measured_s": measured_s,
                      "basis": fp.time_basis, "in_sample": fp.stage in in_sample, "plan_host_mb": fp.host_bytes / MIB, "measured_host_mb": peak,
                      "plan_disk_mb": fp.disk_bytes / MIB, "measured_disk_mb": disk / MIB if disk else None})
+    control = next((label.split("#", 1)[0] for label in (summary.get("speed_protocol") or {}).get("order", [[]])[0]
+                    if "#" in label), None)
     for stage in ("speed", "load"):
         mine = [r for r in rows if r["stage"] == stage]
+        # the speed stage keeps every probe loaded that memory allows (all, on a small model; the A/A control's
+        # second probe too) beside the pipeline's process; the load sweep serves one variant at a time
+        probes = sum(r["plan_host_mb"] for r in mine) + sum(r["plan_host_mb"] for r in mine if r["variant"] == control)
+        host = probes + PIPELINE_PROCESS_B / MIB if stage == "speed" else max((r["plan_host_mb"] for r in mine),
+                                                                              default=0.0)
         if mine and (stage, "*") in mr.walls:
             rows.append({"stage": f"{stage} (all variants)", "variant": "-", "measured_s": mr.walls[(stage, "*")],
                          "plan_s": sum(r["plan_s"] or 0 for r in mine), "basis": "sum of the rows above",
                          "in_sample": False,
-                         "plan_host_mb": max(r["plan_host_mb"] for r in mine), "measured_host_mb": None,
+                         "plan_host_mb": host,
+                         "measured_host_mb": mr.peaks_mb.get((stage, "*")),
                          "plan_disk_mb": sum(r["plan_disk_mb"] for r in mine), "measured_disk_mb": None})
     return {"run": mr, "plan": plan, "rows": rows, "in_sample": not others}
 
 
 def _abs_errors(rows: list[dict], plan_key: str, meas_key: str) -> list[float]:
     return [abs(r[plan_key] - r[meas_key]) / r[meas_key] for r in rows
-            if r[plan_key] is not None and r[meas_key]]
+            if r[plan_key] is not None and r[meas_key] and r[meas_key] >= 1]
 
 
 def compare_run(cfg) -> str:

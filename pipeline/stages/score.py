@@ -170,6 +170,9 @@ def score_variant(cfg: Config, original: Original, renderer: ChatRenderer, artif
         need_ex = [s for s in refs if s not in ex_journal and refs[s].scores] if exact_ok else []
         info = None
         if need_tf or need_ex:
+            # the original's exact rows first (their own stage, memory-mapped after): built while this variant's
+            # runtime is loaded, the two models would be resident at once
+            lp_refs = {s: exact_sample_logprobs(cfg, original, refs[s]) for s in need_ex}
             need = max(context_needed(suites[s], renderer, refs[s].transcripts) for s in refs)
             rt = load_runtime(variant, artifact.path, cfg, n_ctx=n_ctx_for(need, original.facts.get("context_length")))
             try:
@@ -177,7 +180,7 @@ def score_variant(cfg: Config, original: Original, renderer: ChatRenderer, artif
                 for s in need_tf:
                     tf_journal.add(s, teacher_forced(rt, refs[s], cfg.reference.top_k))
                 for s in need_ex:
-                    ex_journal.add(s, kld_exactness(rt, exact_sample_logprobs(cfg, original, refs[s]), refs[s]))
+                    ex_journal.add(s, kld_exactness(rt, lp_refs[s], refs[s]))
             finally:
                 rt.close()
         tf_all = {s: tf_journal.get(s) for s in refs}

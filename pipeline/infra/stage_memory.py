@@ -1,0 +1,132 @@
+"""The peak host memory of one stage: this process's and its children's, recorded in every stage manifest.
+
+Stages run one after another in one process (the local launcher runs a sweep's jobs in it), so the process's
+lifetime high-water mark says nothing about a stage. Each stage therefore starts by handing freed memory back to
+the system (``gc.collect`` and glibc's ``malloc_trim``: without it the next stage starts on top of what the
+previous one freed but the allocator kept) and resetting the high-water mark (VmHWM, /proc/self/clear_refs); its
+children (the converter, llama-quantize, the quantizer and probe workers) are sampled every 0.2 s, and the
+largest child that exited during the stage is read from the kernel's own high-water mark for waited-for
+children. Stages nest (a quantization builds the F16 conversion it needs): an inner stage's reset would erase the
+outer's peak, so what the outer had reached is folded into it first."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import resource
+import threading
+from contextlib import suppress
+
+from pathlib import Path
+
+_ACTIVE: list["StagePeak"] = []
+
+
+def status_mb(field: str, pid: int | str = "self") -> float | None:
+    """A memory field of /proc/PID/status (``VmHWM``: resident high-water mark, ``VmRSS``: resident now) in MB;
+    None where the process has gone or there is no procfs."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's resident high-water mark (VmHWM) to its resident size now, so that a later
+    ``peak_rss_mb`` is the peak of what ran in between (one speed trial), not of the process's whole life (its
+    model load included). Linux 4.0+: writing 5 to /proc/self/clear_refs. False where the kernel refuses it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def release_freed_memory() -> bool:
+    """Collect garbage and return the allocator's free pages to the system (glibc's ``malloc_trim``); False where
+    the C library has no such call (musl, macOS)."""
+    gc.collect()
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0)) or True
+    except (OSError, AttributeError):
+        return False
+
+
+def _children_rss_mb() -> float:
+    import psutil
+
+    total = 0.0
+    with suppress(psutil.Error):
+        for child in psutil.Process().children(recursive=True):
+            with suppress(psutil.Error):
+                total += child.memory_info().rss / 2**20
+    return total
+
+
+def _waited_children_peak_mb() -> float:
+    """The largest resident high-water mark of any child this process has waited for (kernel-kept, never reset)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+
+
+class StagePeak:
+    """``with StagePeak() as p: ...`` then ``p.record()``: the block's peak resident memory, in MB."""
+
+    def __init__(self, interval_s: float = 0.2):
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._own_folded = 0.0          # this process's peak reached before a nested stage reset the mark
+        self._tree_mb = 0.0             # this process + its running children, sampled
+        self._children_mb = 0.0         # the running children alone, sampled
+        self._record: dict = {}
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            own = status_mb("VmRSS") or 0.0
+            children = _children_rss_mb()
+            self._children_mb = max(self._children_mb, children)
+            self._tree_mb = max(self._tree_mb, own + children)
+            self._stop.wait(self.interval_s)
+
+    def _fold(self, own_mb: float) -> None:
+        self._own_folded = max(self._own_folded, own_mb)
+
+    def __enter__(self) -> "StagePeak":
+        self.trimmed = release_freed_memory()
+        self.start_rss_mb = status_mb("VmRSS")
+        for outer in _ACTIVE:
+            outer._fold(status_mb("VmHWM") or 0.0)
+        self.reset = reset_peak_rss()
+        self._waited_before = _waited_children_peak_mb()
+        _ACTIVE.append(self)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        _ACTIVE.remove(self)
+        own = max(status_mb("VmHWM") or 0.0, self._own_folded)
+        waited = _waited_children_peak_mb()
+        # a rise of the waited-for children's mark can only come from a child that exited during this stage
+        child_exact = waited if waited > self._waited_before else None
+        children = max(self._children_mb, child_exact or 0.0)
+        self._record = {
+            "peak_host_mb": round(max(own, self._tree_mb, children), 1),
+            "peak_own_rss_mb": round(own, 1),
+            "peak_children_rss_mb": round(children, 1) if children else None,
+            "start_rss_mb": round(self.start_rss_mb, 1) if self.start_rss_mb is not None else None,
+            "peak_method": ("VmHWM reset at the stage's start" if self.reset else
+                            "VmHWM since the process started (the kernel refused a reset)")
+            + "; children sampled every %.1f s and by their exit high-water mark" % self.interval_s
+            + ("; freed memory returned first (malloc_trim)" if self.trimmed else ""),
+        }
+        for outer in _ACTIVE:
+            outer._fold(own)
+
+    def record(self) -> dict:
+        return dict(self._record)
