@@ -63,6 +63,10 @@ class DecisionConfig:
     # A variant whose checks fall below the original's in the conversation-level sign-flip test with p under this
     # fails (null: off).
     max_pass_drop_p: float | None = 0.05
+    # A variant whose recovery on any benchmark task (its accuracy / the original's, run.suites entries bench:TASK)
+    # has a 95 % interval whose LOWER bound is below this fails (null: off). Judged on the bound whatever
+    # decision.confidence says: a benchmark's few hundred samples leave a wide interval.
+    min_recovery: float | None = None
     # A reply is flagged degenerate when either limit is crossed; flagged replies are counted per variant.
     degeneration: dict = field(default_factory=lambda: {"max_repeated_4gram_rate": 0.35, "max_loop_tokens": 32})
 
@@ -74,6 +78,10 @@ class DecisionConfig:
             x = getattr(self, key)
             _require((x is None and key != "alpha") or (isinstance(x, (int, float)) and 0 < x < 1),
                      f"decision.{key}", x, "a probability in (0, 1)" + (" or null" if key != "alpha" else ""))
+        _require(self.min_recovery is None or (isinstance(self.min_recovery, (int, float))
+                                               and not isinstance(self.min_recovery, bool)
+                                               and 0 < self.min_recovery <= 1),
+                 "decision.min_recovery", self.min_recovery, "a ratio in (0, 1] (e.g. 0.95) or null")
         _require(isinstance(self.tie_tolerance, (int, float)) and 0 <= self.tie_tolerance < 1,
                  "decision.tie_tolerance", self.tie_tolerance, "a fraction in [0, 1)")
         for k in self.degeneration or {}:

@@ -16,6 +16,7 @@ from pipeline.config.settings import require as _require
 from pipeline.config.commands import (BenchConfig, CalibrationSweepConfig, CapacityConfig, CorpusConfig, DecisionConfig,
                                       LoadConfig, RegressConfig, WorkloadConfig)
 from pipeline.infra.cpus import usable_cpus
+from pipeline.suites.lmeval.tasks import TASKS as BENCH_TASKS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -158,6 +159,8 @@ class ProfileConfig:
     # Conversations generated at once (their own slots in one llama_batch per step) on a runtime that batches
     # sequences (llama.cpp); 1: one at a time. The reference and every variant use the same setting.
     batch: int = 1
+    # First N samples of each benchmark task (run.suites entries bench:TASK; None: all of them).
+    bench_limit: int | None = None
 
     DEPLOYMENT_PATHS = ("diverging", "auto", "always", "never")
 
@@ -165,6 +168,7 @@ class ProfileConfig:
         _one_of("profile.deployment_path", self.deployment_path, self.DEPLOYMENT_PATHS)
         _positive_int("profile.max_conversations", self.max_conversations, allow_none=True)
         _positive_int("profile.batch", self.batch)
+        _positive_int("profile.bench_limit", self.bench_limit, allow_none=True)
         _positive_int("profile.max_new_tokens_cap", self.max_new_tokens_cap, allow_none=True)
         for suite, over in (self.per_suite or {}).items():
             for key, value in (over or {}).items():
@@ -277,11 +281,32 @@ class PlanConfig:
                  "a results run folder (results/<model>/<run>) or empty")
 
 
+BENCH_PREFIX = "bench:"
+
+
 @dataclass
 class RunSection:
     name: str = ""                         # results/<model>/<run>; defaults to the profile name
+    # Conversation suites by name, and benchmark tasks as bench:TASK (pipeline.suites.lmeval.tasks). The bench
+    # entries are moved into ``bench_tasks`` when the config loads: ``suites`` then names the conversation suites
+    # alone, which the reference, evaluate, scoring and checks stages run.
     suites: list[str] = field(default_factory=lambda: ["long_output", "multi_turn"])
     variants: list[str] = field(default_factory=list)   # which variants the report aggregates
+    bench_tasks: list[str] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.suites, list) and all(isinstance(s, str) for s in self.suites), "run.suites",
+                 self.suites, "a list of suite names and bench:TASK entries")
+        tasks = [s[len(BENCH_PREFIX):] for s in self.suites if s.startswith(BENCH_PREFIX)]
+        for task in tasks:
+            _require(task in BENCH_TASKS, "run.suites", BENCH_PREFIX + task,
+                     "bench:TASK with TASK one of " + ", ".join(sorted(BENCH_TASKS)))
+        _require(len(set(tasks)) == len(tasks), "run.suites", self.suites, "each bench:TASK once")
+        self.bench_tasks = tasks
+        self.suites = [s for s in self.suites if not s.startswith(BENCH_PREFIX)]
+        _require(bool(self.suites) or not tasks, "run.suites", [BENCH_PREFIX + t for t in tasks],
+                 "at least one conversation suite beside the bench:TASK entries (the speed probe and the drift "
+                 "are measured on the conversations)")
 
 
 @dataclass

@@ -99,6 +99,41 @@ SECTION_FIELDS = {
 }
 
 
+# A variant's row of one benchmark task (summary.variants.NAME.benchmarks.TASK, pipeline.report.bench_summary):
+# field -> JSON type. Accuracy and recovery are intervals (95 %, bootstrap over the task's samples, paired for
+# recovery); recovery, the flips and the McNemar p-values are null for the original (the reference) and where the
+# run has no original's answers. The task's own facts are in summary.benchmarks.TASK (BENCH_TASK_FIELDS).
+BENCH_ROW_FIELDS = {
+    "status": {"const": "ok"},
+    "metric": "string",                      # the per-sample metric that counts a sample correct (e.g. acc_norm)
+    "metrics": "object",                     # every metric of the task, lm-eval's aggregate
+    "samples": "integer",
+    "accuracy": ["object", "null"],
+    "recovery": ["object", "null"],          # accuracy / the original's accuracy on the same samples
+    "correct_to_wrong": ["integer", "null"],
+    "wrong_to_correct": ["integer", "null"],
+    "flip_rate": ["number", "null"],
+    "mcnemar_p": ["number", "null"],         # exact McNemar test of the flips
+    "mcnemar_p_adjusted": ["number", "null"],   # family-wise adjusted over the task's variants
+    "no_signal_for_flips": ["boolean", "null"],
+    "limit": ["integer", "null"],            # profile.bench_limit (null: every sample)
+    "task_key": "object",                    # task, version, data_sha256, lm_eval
+    "decoding": "object",
+    "sandbox": ["object", "null"],           # how model-written code was confined (HumanEval), else null
+    "wall_s": ["number", "null"],
+}
+BENCH_TASK_FIELDS = {
+    "task": "object", "metric": "string", "limit": ["integer", "null"], "decoding": ["object", "null"],
+    "reference": ["string", "null"], "reference_accuracy": ["object", "null"],
+    "no_signal_for_flips": ["boolean", "null"], "multiple_comparisons": "string", "note": ["string", "null"],
+    "variants": "array",
+}
+
+
+def _typed(fields: dict) -> dict:
+    return {k: (t if isinstance(t, dict) else {"type": t}) for k, t in fields.items()}
+
+
 def metric(name: str) -> Metric:
     if name not in BY_NAME:
         from pipeline.infra.errors import ConfigError
@@ -153,6 +188,11 @@ def summary_schema() -> dict:
     adjusted_test = {"type": "object", "required": ["p", "p_adjusted", "method"],
                      "properties": {"p": p_value, "p_adjusted": p_value,
                                     "method": {"enum": ["holm", "bonferroni", "none"]}}}
+    bench_row = {"type": "object", "required": sorted(BENCH_ROW_FIELDS), "properties": _typed(BENCH_ROW_FIELDS),
+                 "additionalProperties": False}
+    other_row = {"type": "object", "required": ["status", "reason"],
+                 "properties": {"status": {"const": "skipped"}, "reason": {"type": ["string", "null"]}},
+                 "additionalProperties": False}
     ok_variant = {
         "type": "object",
         "required": ["status", "runtime", *SECTIONS, "intervals", "free_running", "artifact", "paths",
@@ -163,7 +203,8 @@ def summary_schema() -> dict:
                                         "properties": {"mcnemar_p": p_value, "mcnemar_p_adjusted": p_value}},
                        # why the variant's speed and memory are not its format's (None: measured on its kernel)
                        "no_native_kernel": {"type": ["string", "null"]},
-                       "deployment": {"type": ["object", "null"]}, "recall": {"type": ["object", "null"]}},
+                       "deployment": {"type": ["object", "null"]}, "recall": {"type": ["object", "null"]},
+                       "benchmarks": {"type": "object", "additionalProperties": {"oneOf": [bench_row, other_row]}}},
     }
     other_variant = {"type": "object", "required": ["status", "reason"],
                      "properties": {"status": {"enum": ["skipped", "failed"]}, "reason": {"type": ["string", "null"]}}}
@@ -185,6 +226,9 @@ def summary_schema() -> dict:
                                               "pass_drop": {"type": "object", "additionalProperties": adjusted_test},
                                               "steps": {"type": "array"}}},
             "runtime_floor": {"type": "object", "additionalProperties": {"type": "object"}},
+            "benchmarks": {"type": "object", "additionalProperties": {
+                "type": "object", "required": sorted(BENCH_TASK_FIELDS), "properties": _typed(BENCH_TASK_FIELDS),
+                "additionalProperties": False}},
         },
     }
 

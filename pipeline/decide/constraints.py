@@ -122,12 +122,39 @@ def judge_constraints(v: dict, d: DecisionConfig, pass_drop: dict | None = None)
             continue
         out.append({"constraint": key, "verdict": verdict, "message": text,
                     "violation": abs(x - limit) / max(abs(limit), 1e-12)})
+    out += recovery_constraints(v, d)
     if pass_drop and pass_drop["fails"]:
         out.append({"constraint": "max_pass_drop_p", "verdict": "fail", "violation": -pass_drop["mean_difference"],
                     "message": f"checks significantly worse than {pass_drop['against']}'s (per-conversation pass "
                                f"rate {pass_drop['mean_difference']:+.0%}, sign-flip p={pass_drop['p']:.3f}, "
                                f"{pass_drop['method']}-adjusted over {pass_drop['family']} variants "
                                f"p={pass_drop['p_adjusted']:.3f} < {d.max_pass_drop_p})"})
+    return out
+
+
+def recovery_constraints(v: dict, d: DecisionConfig) -> list[dict]:
+    """``decision.min_recovery`` on every benchmark task of the variant (``v["benchmarks"]``, the summary's rows):
+    fails where the LOWER bound of recovery's 95 % interval (its accuracy / the original's on the same samples) is
+    below the limit, whatever ``decision.confidence`` says; "not measurable" where the task has no recovery (no
+    original's answers in the run, or the original answered none right) or did not run on the variant."""
+    if d.min_recovery is None:
+        return []
+    out = []
+    for task, row in (v.get("benchmarks") or {}).items():
+        rec = row.get("recovery") if row.get("status") == "ok" else None
+        if rec is None or rec.get("low") is None:
+            why = (f"did not run ({row.get('reason')})" if row.get("status") != "ok"
+                   else "has no recovery (no original's answers to compare with, or the original answered none "
+                        "right)")
+            out.append({"constraint": "min_recovery", "verdict": "not measurable", "violation": 0.0,
+                        "message": f"bench:{task} recovery not measurable: the task {why}"})
+            continue
+        if rec["low"] < d.min_recovery:
+            out.append({"constraint": "min_recovery", "verdict": "fail",
+                        "violation": (d.min_recovery - rec["low"]) / d.min_recovery,
+                        "message": f"bench:{task} recovery {rec['estimate']:.0%} [{rec['low']:.0%}, {rec['high']:.0%}] "
+                                   f"of the original's {row['metric']} over {row['samples']} samples: its lower "
+                                   f"bound {rec['low']:.1%} < {d.min_recovery:.0%}"})
     return out
 
 

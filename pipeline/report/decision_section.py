@@ -25,6 +25,9 @@ def _limits_table(summary: dict) -> tuple:
             rows.append([f"{key} ({'at most' if kind == 'max' else 'at least'})", shown])
     if d.get("max_pass_drop_p") is not None:
         rows.append(["max_pass_drop_p (checks worse than the original, adjusted p under)", f"{d['max_pass_drop_p']}"])
+    if d.get("min_recovery") is not None:
+        rows.append(["min_recovery (every bench:TASK's recovery, lower 95 % bound at least)",
+                     format(d["min_recovery"], ".0%")])
     return ["setting", "value"], rows
 
 

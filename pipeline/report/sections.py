@@ -9,6 +9,7 @@ The tables of figures are ``pipeline.report.tables``; the cell formatting ``pipe
 from __future__ import annotations
 
 from pipeline.config.summary_contract import BY_NAME
+from pipeline.report.bench_section import bench_section
 from pipeline.report.cells import _ci, _fmt, _md_escape, decoding_line, mark_notes
 from pipeline.report.decision_section import decision_section
 from pipeline.report.tables import (_capacity_section, _drift_sections, _llama_stats_section,
@@ -382,6 +383,7 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
             "changing runtime alone flips). The decision judges these variants' flips and checks on this table.",
             same]
     sections = [decision_section(summary), ("variants", "Variants", variants_blocks)]
+    sections += [s for s in (bench_section(summary),) if s]
     sections += [s for s in (_power_section(ok), _recall_section(ok), _capacity_section(summary, ok)) if s]
     sections += _drift_sections(ok)
     sections += [s for s in (_load_section(summary), _llama_stats_section(ok), _bits_section(summary, ok),

@@ -8,6 +8,7 @@ import time
 
 from pipeline.config.summary_contract import SCHEMA_VERSION
 from pipeline.measure.capacity import capacity_plan
+from pipeline.report.bench_summary import attach_benchmarks
 from pipeline.report.variant_summary import imatrix_effects, variant_summary
 from pipeline.runtimes import runtime_class
 from pipeline.measure.calibration_sweep import load_sweep
@@ -48,6 +49,7 @@ def build_summary(cfg: Config) -> dict:
             latent = runtime_class(v["runtime"]).latent_kv_cache
             v["capacity"] = capacity_plan(v, facts, cfg.capacity, latent)
     adjust_flip_tests(variants, cfg.decision.multiple_comparisons)
+    benchmarks = attach_benchmarks(variants, results, cfg.run.bench_tasks, cfg.seed, cfg.decision.multiple_comparisons)
     load_sweep_ = load_load(cfg)
     attach_load(variants, load_sweep_)
     origin = facts.get("origin", "")
@@ -56,7 +58,8 @@ def build_summary(cfg: Config) -> dict:
         "created_unix": time.time(),
         "run": {"name": cfg.run.name, "profile": cfg.profile.name, "suites": cfg.run.suites,
                 "threads": cfg.runtime.n_threads, "device": cfg.runtime.device,
-                "decoding": {k: getattr(cfg.runtime, k) for k in DECODING_KEYS}},
+                "decoding": {k: getattr(cfg.runtime, k) for k in DECODING_KEYS},
+                "bench_tasks": cfg.run.bench_tasks, "bench_limit": cfg.profile.bench_limit},
         "model": {"name": cfg.model.name, "source": cfg.model.source, "origin": origin,
                   **{k: v for k, v in facts.items() if k != "chat_template"}},
         "reference": {"runtime": (first.get("reference") or {}).get("producer"),
@@ -69,6 +72,8 @@ def build_summary(cfg: Config) -> dict:
         "runtime_floor": {sr["runtime"]: sr["runtime_switch_floor"] for v in variants.values()
                           if (sr := (v.get("free_running") or {}).get("same_runtime"))},
         "imatrix_effects": imatrix_effects(variants, cfg.seed),
+        # per bench:TASK of run.suites: the task's key, limit and decoding; each variant's row is in its entry
+        "benchmarks": benchmarks,
         "calibration_sweep": load_sweep(cfg),     # `quantdrift calibration` of this run, when it has run
         "load": load_sweep_,                      # `quantdrift load` of this run, when it has run
         # per suite: the original's pass rate and whether flips carry signal there (from the first evaluated variant:

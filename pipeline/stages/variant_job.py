@@ -1,4 +1,5 @@
-"""One comparison job, top to bottom: prepare -> quantize -> reference -> evaluate -> per-variant result.
+"""One comparison job, top to bottom: prepare -> quantize -> reference -> evaluate -> benchmark tasks (run.suites'
+bench:TASK entries) -> per-variant result.
 
 ``evaluate_job(cfg)`` is what one Hydra job runs (one variant). Every stage it calls is cached, so a sweep of
 variants shares the prepared original, the F16 conversion, the parity check and the reference transcripts.
@@ -183,6 +184,7 @@ def evaluate_job(cfg: Config) -> dict:
         renderer = ChatRenderer(original.checkpoint, cfg.model.trust_remote_code, cfg.model.allow_plain_template)
         suites = load_suites(cfg, original, renderer)
         refs, producer, parity = setup_reference(cfg, original, renderer, suites)
+        from pipeline.stages.bench import run_bench
         from pipeline.stages.checks import check_variant
         from pipeline.stages.deployment import deployment_path, deployment_suites
         from pipeline.stages.evaluate import evaluate_variant
@@ -200,6 +202,7 @@ def evaluate_job(cfg: Config) -> dict:
                       if served_suites else None)
             baseline = runtime_baseline(cfg, original, renderer, suites, refs, producer, free["generated_on"])
             checked = check_variant(cfg, suites, refs, free, served, baseline)
+            benched = run_bench(cfg, original, renderer, artifact) if cfg.run.bench_tasks else {}
         except Skip as exc:
             result = {**base, "status": "skipped", "reason": str(exc)}
             write_json(result_path(cfg, variant.name), result)
@@ -228,6 +231,8 @@ def evaluate_job(cfg: Config) -> dict:
                            "exact_rows": scores.get("exact_rows"),
                            "wall_s": sum(m.get("wall_s") or 0 for m in (free, scores, checked))},
             "deployment": served,
+            # per bench:TASK of run.suites: its stage folder (samples.jsonl, metrics.json), or why it was skipped
+            "benchmarks": benched,
             # what a speed trial of this variant runs (pipeline.stages.speed measures all variants, interleaved)
             "probe": probe_spec(cfg, variant, artifact,
                                 probe_prompt(renderer, suites, cfg.profile.speed.prompt_tokens)),

@@ -1,0 +1,83 @@
+"""The report's benchmark section: per ``bench:TASK`` of the run, one table of the variants (the task's metric,
+accuracy and recovery with their 95 % intervals, the flips each way, the exact McNemar p and its family-wise
+adjusted value), the task's identity, limit and decoding, and how HumanEval's model-written code was confined.
+Read from ``summary["benchmarks"]`` and each variant's ``benchmarks`` rows (``pipeline.report.bench_summary``)."""
+
+from __future__ import annotations
+
+from pipeline.measure.stats import NO_SIGNAL_PASS_RATE
+from pipeline.report.cells import _ci, _fmt
+
+
+def _decoding(d: dict | None) -> str:
+    if not d:
+        return "–"
+    if d.get("repeat_penalty", 1.0) == 1.0:
+        return "greedy (argmax, no repetition penalty), one sample per item"
+    return f"greedy with repetition penalty {d['repeat_penalty']:g}"
+
+
+def _sandbox_line(name: str, sb: dict) -> str:
+    return (f"`{name}`: HumanEval completions checked in a child process, {sb.get('confinement')}"
+            + (f" (network interfaces seen: {', '.join(sb['network_interfaces']) or 'none'})"
+               if sb.get("network_interfaces") is not None else "")
+            + f", memory limit {sb.get('memory_mb')} MB, time limit {sb.get('timeout_s')} s per problem"
+            + ("" if sb.get("sandboxed") else "; NOT network-isolated") + ".")
+
+
+def task_blocks(task: str, entry: dict, variants: dict) -> list:
+    key = entry.get("task") or {}
+    method = entry.get("multiple_comparisons") or "holm"
+    metric = entry.get("metric")
+    head = ["variant", f"{metric} accuracy [CI]", "recovery [CI]", "correct→wrong", "wrong→correct", "McNemar p",
+            f"{method}-adjusted p", "samples", "seconds"]
+    rows, notes = [], []
+    for name in entry.get("variants") or []:
+        row = (variants.get(name, {}).get("benchmarks") or {}).get(task)
+        if row is None:
+            continue
+        if row.get("status") != "ok":
+            rows.append([name, "–", "–", "–", "–", "–", "–", "–", "–"])
+            notes.append(f"`{name}`: bench:{task} not run: {row.get('reason')}")
+            continue
+        is_ref = name == entry.get("reference")
+        rows.append([name + (" (reference)" if is_ref else ""), _ci(row.get("accuracy"), ".1%"),
+                     _ci(row.get("recovery"), ".0%"), _fmt(row.get("correct_to_wrong"), "d"),
+                     _fmt(row.get("wrong_to_correct"), "d"), "–" if is_ref else _fmt(row.get("mcnemar_p"), ".3f"),
+                     _fmt(row.get("mcnemar_p_adjusted"), ".3f"), str(row["samples"]),
+                     _fmt(row.get("wall_s"), ".0f")])
+        if row.get("sandbox"):
+            notes.append(_sandbox_line(name, row["sandbox"]))
+    limit = entry.get("limit")
+    blocks: list = [
+        f"Task `{key.get('task', task)}` version {key.get('version')}, data sha256 "
+        f"`{str(key.get('data_sha256', ''))[:16]}`, lm-eval {key.get('lm_eval')}; "
+        + (f"the first {limit} samples (`profile.bench_limit`)" if limit else "every sample")
+        + f"; decoding: {_decoding(entry.get('decoding'))}; a sample counts as correct by `{metric}`. Each variant "
+        "ran the task on its own runtime (its kernel, settings and KV cache).",
+        (head, rows)]
+    ref_acc = (entry.get("reference_accuracy") or {}).get("estimate")
+    if entry.get("no_signal_for_flips") and ref_acc is not None:
+        blocks.append(f"⚠ no signal for flips: the original answers {ref_acc:.0%} of the samples right, under "
+                      f"{NO_SIGNAL_PASS_RATE:.0%}: flips are then mostly lucky answers, not damage.")
+    if entry.get("note"):
+        blocks.append(entry["note"] + ".")
+    if notes:
+        blocks.append(notes)
+    return blocks
+
+
+def bench_section(summary: dict) -> tuple | None:
+    """("benchmarks", title, blocks) for a run with bench:TASK entries, else None."""
+    tasks = summary.get("benchmarks") or {}
+    if not tasks:
+        return None
+    blocks: list = [
+        "Accuracy: share of the task's samples answered right, with its 95 % bootstrap interval (samples "
+        "resampled, 2,000 replicates, fixed seed). Recovery: the variant's accuracy ÷ the original's on the same "
+        "samples, its interval paired (both resampled with the same draw). Flips: samples the original answered "
+        "right and the variant wrong (correct→wrong) and the reverse, tested with the exact McNemar test, adjusted "
+        "across the task's variants."]
+    for task, entry in tasks.items():
+        blocks += [f"**bench:{task}**", *task_blocks(task, entry, summary["variants"])]
+    return ("benchmarks", "Benchmarks (lm-evaluation-harness, each variant's own runtime)", blocks)

@@ -1,0 +1,86 @@
+"""A benchmark scored per sample across variants: accuracy and recovery with bootstrap intervals, and the flips
+that equal accuracy hides (correct -> wrong, wrong -> correct) with the exact McNemar test.
+
+Samples are the unit of resampling here (a benchmark's items are independent questions, unlike the checks of one
+conversation); the variant and the original are resampled with the same draw, so recovery's interval is paired.
+The statistics are the pipeline's own: ``measure.stats.bootstrap_ratio`` and ``adjust_p``, ``measure.drift.flips``
+and ``mcnemar_exact_p``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from pipeline.measure import drift
+from pipeline.measure.stats import NO_SIGNAL_PASS_RATE, adjust_p, bootstrap_ratio, interval
+
+
+def _interval(ci: dict | None) -> dict | None:
+    return None if ci is None else interval(ci["estimate"], ci["low"], ci["high"], ci["level"], ci["units"])
+
+
+def paired(original: Mapping[str, bool], variant: Mapping[str, bool]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The sample ids both sides hold (sorted) and their outcomes as 0/1 arrays; a ValueError naming the
+    difference when the two sides did not answer the same samples."""
+    missing, extra = sorted(set(original) - set(variant)), sorted(set(variant) - set(original))
+    if missing or extra:
+        raise ValueError(f"paired flips need the same samples on both sides: {len(missing)} only in the original "
+                         f"(e.g. {missing[:3]}), {len(extra)} only in the variant (e.g. {extra[:3]})")
+    ids = sorted(original)
+    return (ids, np.asarray([bool(original[i]) for i in ids], dtype=np.float64),
+            np.asarray([bool(variant[i]) for i in ids], dtype=np.float64))
+
+
+def compare(original: Mapping[str, bool], variant: Mapping[str, bool], seed: int = 0) -> dict:
+    """Per-sample correctness of the original and a variant (sample id -> correct) -> the variant's accuracy,
+    the original's, their paired difference and recovery (variant / original) with 95 % bootstrap intervals
+    (samples resampled), the flips each way, the flip rate and the two-sided exact McNemar p-value on the
+    discordant pairs. ``recovery`` is None when the original gets nothing right; ``no_signal_for_flips`` says
+    the original is right on fewer than ``NO_SIGNAL_PASS_RATE`` of the samples (flips are then mostly lucky
+    answers, not damage)."""
+    ids, o, v = paired(original, variant)
+    n = len(ids)
+    if n == 0:
+        raise ValueError("paired flips need at least one sample")
+    ones = np.ones(n)
+    f = drift.flips(o.astype(bool).tolist(), v.astype(bool).tolist())
+    return {
+        "samples": n,
+        "accuracy": _interval(bootstrap_ratio(v, ones, seed)),
+        "reference_accuracy": _interval(bootstrap_ratio(o, ones, seed)),
+        "accuracy_delta": _interval(bootstrap_ratio(v - o, ones, seed)),
+        "recovery": _interval(bootstrap_ratio(v, o, seed)) if o.sum() > 0 else None,
+        "correct_to_wrong": f["pass_to_fail"],
+        "wrong_to_correct": f["fail_to_pass"],
+        "flip_rate": (f["pass_to_fail"] + f["fail_to_pass"]) / n,
+        "mcnemar_p": drift.mcnemar_exact_p(f["pass_to_fail"], f["fail_to_pass"]),
+        "no_signal_for_flips": bool(o.mean() < NO_SIGNAL_PASS_RATE),
+    }
+
+
+def compare_variants(original: Mapping[str, bool], variants: Mapping[str, Mapping[str, bool]], seed: int = 0,
+                     method: str = "holm") -> dict[str, dict]:
+    """``compare`` for every variant of one task, with ``mcnemar_p_adjusted``: the family-wise adjusted p-value
+    over the task's variants (``stats.adjust_p``, ``decision.multiple_comparisons``)."""
+    out = {name: compare(original, outcome, seed) for name, outcome in variants.items()}
+    adjusted = adjust_p({name: r["mcnemar_p"] for name, r in out.items()}, method)
+    for name, r in out.items():
+        r["mcnemar_p_adjusted"] = adjusted[name]
+        r["multiple_comparisons"] = method
+    return out
+
+
+def accuracy(outcome: Mapping[str, bool], seed: int = 0) -> dict | None:
+    """One side's accuracy with its 95 % bootstrap interval (samples resampled); None without samples: what a
+    variant shows where no original answered the same task."""
+    if not outcome:
+        return None
+    x = np.asarray([bool(outcome[i]) for i in sorted(outcome)], dtype=np.float64)
+    return _interval(bootstrap_ratio(x, np.ones(len(x)), seed))
+
+
+def outcomes(samples: list[dict]) -> dict[str, bool]:
+    """sample id -> correct, from ``tasks.run_task``'s samples."""
+    return {s["id"]: bool(s["correct"]) for s in samples}

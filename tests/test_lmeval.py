@@ -1,0 +1,325 @@
+"""lm-eval on quantdrift's runtimes (pipeline.suites.lmeval): the adapter's greedy replies are the runtime's own
+free-running replies, its log-likelihoods the runtime's token log-probs; the offline tasks load and score; flips and
+McNemar on vectors with known answers. A tiny random llama on transformers and as an F16 GGUF on llama.cpp."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.config.schema import PROJECT_ROOT, VariantConfig
+from pipeline.suites.lmeval import flips
+from pipeline.suites.lmeval.sandbox import check_completions
+from pipeline.suites.lmeval.tasks import TASKS, get_task, load_docs
+from pipeline.infra.errors import ConfigError
+
+CONTEXT = ("Customer Aoife Brennan reports that invoice INV-20931 for EUR 1,249.50 was charged twice on 3 March. "
+           "Please confirm the refund timeline in your reply.\nReply:")
+
+
+# ------------------------------------------------------------------ the tiny model on both runtimes
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_tokenizer_dir):
+    """conftest's tiny llama with head dim 32 (2 heads) so llama.cpp's q8_0 cache blocks fit, prepared as the
+    original, and its F16 GGUF."""
+    from transformers import AutoTokenizer
+
+    from pipeline.stages.prepare import prepare
+    from pipeline.stages.quantize import build_artifact
+    from tests.conftest import build_tiny_llama, compose
+
+    root = tmp_path_factory.mktemp("lmeval")
+    model = build_tiny_llama(root / "tiny-hd32", tiny_tokenizer_dir, heads=2)
+    base = [f"model.source={model}", "model.name=tiny", f"paths.artifacts={root / 'artifacts'}",
+            f"paths.cache={PROJECT_ROOT / '.cache'}"]
+    cfg = compose(base)
+    original = prepare(cfg.model, cfg.model_dir)
+    f16 = build_artifact(VariantConfig(name="gguf_f16", quantizer="gguf", runtime="llamacpp",
+                                       quantize={"type": "F16"}), original, cfg)
+    tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
+    return {"base": base, "original": original, "f16": f16, "tok": tok, "root": root}
+
+
+RUNTIMES = ["hf", "llamacpp"]
+
+
+def _lm(built, runtime: str, *overrides: str):
+    from pipeline.suites.lmeval.adapter import RuntimeLM
+    from tests.conftest import compose
+
+    cfg = compose([*built["base"], *overrides])
+    if runtime == "hf":
+        cfg.variant = VariantConfig(name="original")
+        path = built["original"].checkpoint
+    else:
+        cfg.variant = VariantConfig(name="gguf_f16", runtime="llamacpp")
+        path = built["f16"].path
+    return RuntimeLM.for_variant(cfg, path, built["tok"], built["original"].facts["eos_token_ids"], n_ctx=512)
+
+
+def _counting(rt):
+    """Count the runtime's generate calls (the chunked path must really make several)."""
+    calls = []
+    inner = rt.generate
+
+    def generate(*args, **kwargs):
+        calls.append(args[1])
+        return inner(*args, **kwargs)
+
+    rt.generate = generate
+    return calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("decoding, chunked", [(("runtime.repeat_penalty=1.0",), True),
+                                               (("runtime.repeat_scope=context",), True),
+                                               ((), False)])          # the default penalty on the reply alone
+def test_generate_until_is_the_runtimes_own_free_running_reply(built, runtime, decoding, chunked):
+    from lm_eval.api.instance import Instance
+
+    from pipeline.suites.lmeval.adapter import cut_at_stop
+
+    lm = _lm(built, runtime, *decoding)
+    rt, stop_ids = lm.runtime, lm.stop_ids
+    assert lm.chunked is chunked
+    prompt = lm.tok_encode(CONTEXT)
+    rt.reset()
+    own = rt.generate(prompt, 40, stop_ids)            # the runtime's free-running reply, one call
+    assert own.stop == "length", "the tiny model ended early: pick another prompt"
+    own_text = lm.tok_decode(own.ids)
+
+    calls = _counting(rt)
+    req = Instance("generate_until", {}, (CONTEXT, {"until": ["NEVER-IN-TEXT"], "max_gen_toks": 40,
+                                                    "do_sample": False}), 0)
+    assert lm.generate_until([req]) == [own_text]
+    assert calls == ([16, 16, 8] if chunked else [40])
+    assert lm.log[-1] == {"prompt_tokens": len(prompt), "reply_tokens": 40, "stop": "length"}
+
+    # a stop string from the middle of the reply: stopped at the first token whose text holds it, cut before it
+    stop = next(own_text[i:i + 3] for i in range(len(own_text) // 2, len(own_text) - 3)
+                if own_text[i:i + 3].strip() and own_text[i:i + 3] not in own_text[:i])
+    k = next(k for k in range(1, 41) if stop in lm.tok_decode(own.ids[:k]))
+    del calls[:]
+    assert lm.generate_until([Instance("generate_until", {}, (CONTEXT, {"until": [stop], "max_gen_toks": 40}), 0)]
+                             ) == [cut_at_stop(lm.tok_decode(own.ids[:k]), [stop])]
+    assert lm.log[-1]["reply_tokens"] == k and lm.log[-1]["stop"] == "until"
+    if chunked:
+        assert len(calls) == (k + 15) // 16, "the chunked path must stop generating at the stop string"
+    rt.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, cache", [("original", {"kv_cache_dtype": "int8"}),
+                                            ("gguf_f16", {"cache_type_k": "q8_0", "cache_type_v": "q8_0"})])
+def test_a_kv_cache_variant_runs_with_its_cache(built, variant, cache):
+    """The adapter loads a variant as the pipeline composes it (variant=... kv_cache=int8): its quantized KV cache
+    is the one the replies and scores come from."""
+    from pipeline.suites.lmeval.adapter import RuntimeLM
+    from tests.conftest import compose
+
+    cfg = compose([*built["base"], f"variant={variant}", "kv_cache=int8", "runtime.repeat_penalty=1.0"])
+    path = built["original"].checkpoint if cfg.variant.runtime == "hf" else built["f16"].path
+    lm = RuntimeLM.for_variant(cfg, path, built["tok"], built["original"].facts["eos_token_ids"], n_ctx=512)
+    assert {k: lm.info["runtime"][k] for k in cache} == cache
+    prompt = lm.tok_encode(CONTEXT)
+    lm.runtime.reset()
+    own = lm.runtime.generate(prompt, 40, lm.stop_ids)
+    assert lm.generate_text(CONTEXT, [], 40) == lm.tok_decode(own.ids)
+    lm.runtime.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_loglikelihood_is_the_sum_of_the_runtimes_token_logprobs(built, runtime):
+    from lm_eval.api.instance import Instance
+
+    lm = _lm(built, runtime, "runtime.repeat_penalty=1.0")
+    pairs = [("Question: How many days are in a week?\nAnswer:", " 7 days"),
+             ("Question: How many days are in a week?\nAnswer: ", "seven days a week")]   # the space moves over
+    got = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])
+    for (context, continuation), (logprob, greedy) in zip(pairs, got):
+        ctx, cont = lm._encode_pair(context, continuation)
+        assert lm.tok_decode(ctx + cont) == context + continuation and len(cont) >= 2
+        ids = ctx + cont
+        rows = lm.runtime.logprobs(ids, list(range(len(ctx) - 1, len(ids) - 1)))
+        assert logprob == pytest.approx(float(sum(rows[i, t] for i, t in enumerate(cont))), rel=1e-6, abs=1e-6)
+        assert logprob < 0
+        assert greedy == all(int(rows[i].argmax()) == t for i, t in enumerate(cont))
+    # a continuation made of the runtime's own argmax tokens is greedy
+    ctx = lm.tok_encode(pairs[0][0])
+    lm.runtime.reset()
+    reply = lm.runtime.generate(ctx, 3, []).ids
+    assert lm._loglikelihood_tokens([(("", ""), ctx, reply)])[0][1] is True
+    with pytest.raises(NotImplementedError, match="loglikelihood_rolling"):
+        lm.loglikelihood_rolling([])
+    lm.runtime.close()
+
+
+def test_sampling_and_unknown_generation_settings_are_refused():
+    from pipeline.suites.lmeval.adapter import greedy_request
+
+    assert greedy_request({"until": "\n\n", "max_gen_toks": 7, "do_sample": False}) == (["\n\n"], 7)
+    assert greedy_request({"max_new_tokens": 5, "temperature": 0.0}) == ([], 5)
+    assert greedy_request({"do_sample": False, "temperature": 0.7, "top_p": 0.9}) == ([], 256)   # ignored, as HF
+    for bad, match in (({"do_sample": True}, "sampling"), ({"temperature": 0.7}, "sampling"),
+                       ({"num_beams": 4}, "beam"), ({"repetition_penalty": 1.3}, "repetition_penalty"),
+                       ({"max_gen_toks": 0}, "at least 1")):
+        with pytest.raises(ValueError, match=match):
+            greedy_request(bad)
+
+
+@pytest.mark.slow
+def test_a_request_longer_than_the_context_fails_with_the_numbers(built):
+    lm = _lm(built, "llamacpp")
+    with pytest.raises(ConfigError, match="context of 512"):
+        lm.generate_text(CONTEXT, [], 500)
+    lm.runtime.close()
+
+
+# ------------------------------------------------------------------ tasks through lm-eval
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_business_mc_task_runs_through_lm_eval_on_each_runtime(built, runtime, tmp_path):
+    from lm_eval.api.instance import Instance
+
+    from pipeline.suites.lmeval.tasks import run_task
+
+    lm = _lm(built, runtime)
+    out = run_task(lm, "business_mc", tmp_path / "datasets", limit=6)
+    docs = load_docs("business_mc")[:6]
+    assert [s["id"] for s in out["samples"]] == [d["id"] for d in docs]
+    assert out["task"]["data_sha256"] == hashlib.sha256(get_task("business_mc").data_file.read_bytes()).hexdigest()
+    assert out["task"]["version"] == "1" and out["task"]["lm_eval"] == "0.4.13"
+    # lm-eval's acc is the option of highest log-likelihood, recomputed here from the runtime itself
+    for s, d in zip(out["samples"], docs):
+        lls = [ll for ll, _ in lm.loglikelihood([Instance("loglikelihood", {}, ("Question: " + d["question"]
+                                                                               + "\nAnswer:", " " + c), 0)
+                                                 for c in d["choices"]])]
+        assert [r[0] for r in s["response"]] == pytest.approx(lls, rel=1e-6, abs=1e-6)
+        assert s["metrics"]["acc"] == (int(np.argmax(lls)) == d["answer"])
+        per_char = np.asarray(lls) / [len(c) for c in d["choices"]]
+        assert s["correct"] == s["metrics"]["acc_norm"] == (int(np.argmax(per_char)) == d["answer"])
+    assert out["metrics"]["acc_norm"] == pytest.approx(np.mean([s["correct"] for s in out["samples"]]))
+    assert set(out["metrics"]) == {"acc", "acc_norm"}
+    lm.runtime.close()
+
+
+@pytest.mark.slow
+def test_humaneval_runs_through_lm_eval_with_its_checks_confined(built, tmp_path):
+    from pipeline.suites.lmeval.tasks import run_task
+
+    lm = _lm(built, "hf", "runtime.repeat_penalty=1.0")
+    out = run_task(lm, "humaneval", tmp_path / "datasets", limit=1)
+    assert [s["id"] for s in out["samples"]] == ["HumanEval/0"]
+    assert all(s["correct"] is False and s["outcome"] for s in out["samples"])     # a random model solves nothing
+    assert out["metrics"] == {"pass_at_1": 0.0}
+    assert all(r["prompt_tokens"] > 0 and r["reply_tokens"] <= 384 for r in lm.log)
+    assert out["sandbox"]["timeout_s"] == 3.0 and "confinement" in out["sandbox"]
+    lm.runtime.close()
+
+
+def test_the_business_mc_file_is_well_formed():
+    path = PROJECT_ROOT / "prompts" / "bench" / "business_mc.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert 40 <= len(rows) <= 400
+    assert len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        assert set(r) == {"id", "category", "question", "choices", "answer"}, r["id"]
+        assert len(r["choices"]) == 4 and len(set(r["choices"])) == 4, r["id"]
+        assert all(isinstance(c, str) and c.strip() for c in r["choices"]), r["id"]
+        assert isinstance(r["answer"], int) and 0 <= r["answer"] < 4, r["id"]
+    # the right answer is not always in one place (a model preferring one position must not score)
+    counts = np.bincount([r["answer"] for r in rows], minlength=4)
+    assert counts.max() <= 0.4 * len(rows), counts
+    assert get_task("business_mc").data_sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_humaneval_loads_and_a_canonical_solution_passes_while_a_wrong_one_fails():
+    docs = load_docs("humaneval")
+    assert len(docs) == 164 and len({d["task_id"] for d in docs}) == 164
+    assert len(get_task("humaneval").data_sha256) == 64
+    p0, p2 = docs[0], docs[2]
+    out = check_completions([
+        {"problem": p0, "completion": p0["canonical_solution"]},
+        {"problem": p2, "completion": p2["canonical_solution"]},
+        {"problem": p0, "completion": "    return not " + p0["canonical_solution"].strip().splitlines()[-1]
+         .replace("return ", "", 1) + "\n"},
+        {"problem": p2, "completion": "    return number\n"},
+        {"problem": p2, "completion": "    while True:\n        pass\n"},
+        {"problem": p2, "completion": "    import socket\n    socket.create_connection(('192.0.2.1', 80), timeout=2)\n"
+                                      "    return number % 1.0\n"},
+    ], timeout_s=1.0)
+    results = out["results"]
+    assert [r["passed"] for r in results[:2]] == [True, True]
+    assert not results[2]["passed"] and not results[3]["passed"]
+    assert results[4]["result"] == "timed out"
+    if out["sandboxed"]:
+        assert out["network_interfaces"] == ["lo"]
+        assert not results[5]["passed"] and "unreachable" in results[5]["result"].lower(), results[5]
+    else:
+        pytest.skip(f"checks ran, but without a network namespace here: {out['confinement']}")
+
+
+def test_an_unknown_task_names_the_known_ones():
+    with pytest.raises(ConfigError, match="business_mc"):
+        get_task("gsm8k")
+    assert set(TASKS) == {"humaneval", "business_mc"}
+
+
+# ------------------------------------------------------------------ flips, recovery, McNemar
+
+def _vectors(both, c2w, w2c, neither):
+    original, variant, i = {}, {}, 0
+    for o, v, n in ((True, True, both), (True, False, c2w), (False, True, w2c), (False, False, neither)):
+        for _ in range(n):
+            original[f"s{i:03d}"], variant[f"s{i:03d}"] = o, v
+            i += 1
+    return original, variant
+
+
+def test_flips_recovery_and_exact_mcnemar_on_known_vectors():
+    original, variant = _vectors(both=10, c2w=9, w2c=1, neither=0)
+    r = flips.compare(original, variant)
+    assert (r["samples"], r["correct_to_wrong"], r["wrong_to_correct"]) == (20, 9, 1)
+    assert r["mcnemar_p"] == pytest.approx(22 / 1024) and round(r["mcnemar_p"], 4) == 0.0215
+    assert r["accuracy"]["estimate"] == pytest.approx(11 / 20)
+    assert r["reference_accuracy"]["estimate"] == pytest.approx(19 / 20)
+    assert r["recovery"]["estimate"] == pytest.approx(11 / 19)
+    assert r["accuracy_delta"]["estimate"] == pytest.approx(-8 / 20)
+    assert r["flip_rate"] == pytest.approx(10 / 20)
+    for name in ("accuracy", "reference_accuracy", "recovery", "accuracy_delta"):
+        assert r[name]["low"] <= r[name]["estimate"] <= r[name]["high"] and r[name]["low"] < r[name]["high"], name
+    assert r["recovery"]["high"] < 1.0            # paired: this much damage is resolved by 20 samples
+    assert r["no_signal_for_flips"] is False
+
+    same = flips.compare(original, original)
+    assert same["mcnemar_p"] == 1.0 and same["recovery"]["estimate"] == 1.0
+    assert same["recovery"]["low"] == same["recovery"]["high"] == 1.0
+    # balanced flips: equal accuracy, many changed answers, nothing significant
+    o, v = _vectors(both=5, c2w=6, w2c=6, neither=3)
+    eq = flips.compare(o, v)
+    assert eq["accuracy"]["estimate"] == eq["reference_accuracy"]["estimate"] and eq["mcnemar_p"] == 1.0
+    assert eq["flip_rate"] == pytest.approx(12 / 20)
+
+
+def test_flips_need_the_same_samples_and_say_when_there_is_no_signal():
+    original, variant = _vectors(both=1, c2w=1, w2c=3, neither=15)
+    r = flips.compare(original, variant)
+    assert r["no_signal_for_flips"] is True and r["recovery"]["estimate"] == pytest.approx(4 / 2)
+    nothing = {k: False for k in original}
+    assert flips.compare(nothing, variant)["recovery"] is None
+    variant.pop("s000")
+    with pytest.raises(ValueError, match="1 only in the original"):
+        flips.compare(original, variant)
+
+
+def test_family_wise_adjustment_over_a_tasks_variants():
+    original, bad = _vectors(both=10, c2w=9, w2c=1, neither=0)
+    out = flips.compare_variants(original, {"q4": bad, "q8": dict(original)})
+    assert out["q4"]["mcnemar_p_adjusted"] == pytest.approx(2 * 22 / 1024)       # Holm, 2 tests
+    assert out["q8"]["mcnemar_p_adjusted"] == 1.0
+    assert flips.outcomes([{"id": "a", "correct": True}, {"id": "b", "correct": False}]) == {"a": True, "b": False}
