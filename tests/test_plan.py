@@ -151,7 +151,7 @@ def test_plan_command_on_the_tiny_model(tiny_cfg, capsys):
     assert run(cfg) == 0
     out = capsys.readouterr().out
     assert "| quantize | gguf_q8_0 |" in out and "| speed | gguf_q8_0+kv_q8_0 |" in out
-    assert "smollm2-135m-instruct/quick" in out         # times scaled from the committed run
+    assert "smollm2-135m-instruct/" in out              # times scaled from a committed run of the demo model
     assert "fits: yes" in out
     assert not (cfg.model_dir / "original").exists()
 
