@@ -20,7 +20,10 @@ def test_bench_entries_are_tasks_validated_when_the_config_loads():
     assert [s.name for s in cfg.selected_suites()] == ["smoke"]      # the conversation stages never see it
     assert cfg.profile.bench_limit == 8
     assert compose(["profile=full"]).profile.bench_limit is None
-    with pytest.raises(ConfigError, match=r"run\.suites='bench:gsm8k' is not valid: .*business_mc, humaneval"):
+    with pytest.raises(ConfigError, match=r"run\.suites='bench:nosuchtask' is not valid: .*business_mc, humaneval"):
+        compose(["run.suites=[smoke,bench:nosuchtask]"])
+    # a stock task whose data only the hub serves stops when the config loads, naming the dataset
+    with pytest.raises(ConfigError, match=r"gsm8k is lm-eval's stock task, whose data \(openai/gsm8k\) comes from"):
         compose(["run.suites=[smoke,bench:gsm8k]"])
     with pytest.raises(ConfigError, match="at least one conversation suite"):
         compose(["run.suites=[bench:business_mc]"])

@@ -17,6 +17,7 @@ from pipeline.config.commands import (BenchConfig, CalibrationSweepConfig, Capac
                                       LoadConfig, RegressConfig, WorkloadConfig)
 from pipeline.infra.cpus import usable_cpus
 from pipeline.suites.lmeval.tasks import TASKS as BENCH_TASKS
+from pipeline.suites.lmeval.tasks import unknown_task_message
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -299,8 +300,7 @@ class RunSection:
                  self.suites, "a list of suite names and bench:TASK entries")
         tasks = [s[len(BENCH_PREFIX):] for s in self.suites if s.startswith(BENCH_PREFIX)]
         for task in tasks:
-            _require(task in BENCH_TASKS, "run.suites", BENCH_PREFIX + task,
-                     "bench:TASK with TASK one of " + ", ".join(sorted(BENCH_TASKS)))
+            _require(task in BENCH_TASKS, "run.suites", BENCH_PREFIX + task, unknown_task_message(task))
         _require(len(set(tasks)) == len(tasks), "run.suites", self.suites, "each bench:TASK once")
         self.bench_tasks = tasks
         self.suites = [s for s in self.suites if not s.startswith(BENCH_PREFIX)]
