@@ -4,16 +4,15 @@ Stages run one after another in one process (the local launcher runs a sweep's j
 lifetime high-water mark says nothing about a stage. Each stage therefore starts by handing freed memory back to
 the system (``gc.collect`` and glibc's ``malloc_trim``: without it the next stage starts on top of what the
 previous one freed but the allocator kept) and resetting the high-water mark (VmHWM, /proc/self/clear_refs); its
-children (the converter, llama-quantize, the quantizer and probe workers) are sampled every 0.2 s, and the
-largest child that exited during the stage is read from the kernel's own high-water mark for waited-for
-children. Stages nest (a quantization builds the F16 conversion it needs): an inner stage's reset would erase the
-outer's peak, so what the outer had reached is folded into it first."""
+children (the converter, llama-quantize, the quantizer and probe workers) are sampled every 0.2 s (a child's
+peak between two samples can be missed; the kernel's mark for waited-for children cannot stand in: it carries the
+parent's pages across fork + exec). Stages nest (a quantization builds the F16 conversion it needs): an inner
+stage's reset would erase the outer's peak, so what the outer had reached is folded into it first."""
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import resource
 import threading
 from contextlib import suppress
 
@@ -57,19 +56,19 @@ def release_freed_memory() -> bool:
 
 
 def _children_rss_mb() -> float:
+    """The resident memory of this process's children now. A child between fork and exec still runs this
+    process's command line on its pages (vfork shares them outright): it is this process, counted once, not twice."""
     import psutil
 
+    me = psutil.Process()
     total = 0.0
     with suppress(psutil.Error):
-        for child in psutil.Process().children(recursive=True):
+        mine = me.cmdline()
+        for child in me.children(recursive=True):
             with suppress(psutil.Error):
-                total += child.memory_info().rss / 2**20
+                if child.cmdline() != mine:
+                    total += child.memory_info().rss / 2**20
     return total
-
-
-def _waited_children_peak_mb() -> float:
-    """The largest resident high-water mark of any child this process has waited for (kernel-kept, never reset)."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
 
 
 class StagePeak:
@@ -101,7 +100,6 @@ class StagePeak:
         for outer in _ACTIVE:
             outer._fold(status_mb("VmHWM") or 0.0)
         self.reset = reset_peak_rss()
-        self._waited_before = _waited_children_peak_mb()
         _ACTIVE.append(self)
         self._thread.start()
         return self
@@ -111,10 +109,9 @@ class StagePeak:
         self._thread.join(timeout=5)
         _ACTIVE.remove(self)
         own = max(status_mb("VmHWM") or 0.0, self._own_folded)
-        waited = _waited_children_peak_mb()
-        # a rise of the waited-for children's mark can only come from a child that exited during this stage
-        child_exact = waited if waited > self._waited_before else None
-        children = max(self._children_mb, child_exact or 0.0)
+        # sampled only: the kernel's high-water mark of waited-for children (RUSAGE_CHILDREN) carries the parent's
+        # resident pages across fork + exec, so a child of a large process would read as large as its parent
+        children = self._children_mb
         self._record = {
             "peak_host_mb": round(max(own, self._tree_mb, children), 1),
             "peak_own_rss_mb": round(own, 1),
@@ -122,7 +119,7 @@ class StagePeak:
             "start_rss_mb": round(self.start_rss_mb, 1) if self.start_rss_mb is not None else None,
             "peak_method": ("VmHWM reset at the stage's start" if self.reset else
                             "VmHWM since the process started (the kernel refused a reset)")
-            + "; children sampled every %.1f s and by their exit high-water mark" % self.interval_s
+            + "; children sampled every %.1f s" % self.interval_s
             + ("; freed memory returned first (malloc_trim)" if self.trimmed else ""),
         }
         for outer in _ACTIVE:
