@@ -12,6 +12,7 @@ stage's reset would erase the outer's peak, so what the outer had reached is fol
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import threading
 from contextlib import suppress
@@ -45,14 +46,23 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def release_freed_memory() -> bool:
-    """Collect garbage and return the allocator's free pages to the system (glibc's ``malloc_trim``); False where
-    the C library has no such call (musl, macOS)."""
-    gc.collect()
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has no such call (musl, macOS)."""
     try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0)) or True
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Collect garbage and return the allocator's free pages to the system; False where it cannot be asked to."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is None:
         return False
+    trim(0)
+    return True
 
 
 def _children_rss_mb() -> float:
@@ -109,13 +119,12 @@ class StagePeak:
         self._thread.join(timeout=5)
         _ACTIVE.remove(self)
         own = max(status_mb("VmHWM") or 0.0, self._own_folded)
-        # sampled only: the kernel's high-water mark of waited-for children (RUSAGE_CHILDREN) carries the parent's
-        # resident pages across fork + exec, so a child of a large process would read as large as its parent
-        children = self._children_mb
+        # children sampled only: the kernel's high-water mark of waited-for children (RUSAGE_CHILDREN) carries the
+        # parent's resident pages across fork + exec, so a child of a large process would read as large as its parent
         self._record = {
-            "peak_host_mb": round(max(own, self._tree_mb, children), 1),
+            "peak_host_mb": round(max(own, self._tree_mb), 1),    # a sample of the tree holds its children's
             "peak_own_rss_mb": round(own, 1),
-            "peak_children_rss_mb": round(children, 1) if children else None,
+            "peak_children_rss_mb": round(self._children_mb, 1) if self._children_mb else None,
             "start_rss_mb": round(self.start_rss_mb, 1) if self.start_rss_mb is not None else None,
             "peak_method": ("VmHWM reset at the stage's start" if self.reset else
                             "VmHWM since the process started (the kernel refused a reset)")

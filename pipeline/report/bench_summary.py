@@ -47,7 +47,7 @@ def task_summary(task: str, results: dict[str, dict], seed: int = 0, method: str
                       "mcnemar_p": None, "mcnemar_p_adjusted": None, "no_signal_for_flips": None,
                       "limit": metrics["limit"], "task_key": metrics["task"], "decoding": metrics["decoding"],
                       "sandbox": metrics.get("sandbox"), "wall_s": stage.get("wall_s")}
-    entry = {"task": get_task(task).key() if not facts else facts["task"], "metric": spec.correct,
+    entry = {"task": spec.key() if not facts else facts["task"], "metric": spec.correct,
              "limit": facts.get("limit"), "decoding": facts.get("decoding"), "reference": None,
              "reference_accuracy": None, "no_signal_for_flips": None, "multiple_comparisons": method, "note": None}
     if REFERENCE not in answers:

@@ -22,23 +22,43 @@ def _peak(folder: Path) -> float | None:
     return ((m or {}).get("host_memory") or {}).get("peak_host_mb")
 
 
+def _evaluation_folders(cfg: Config, name: str) -> dict[str, Path]:
+    """One variant's stage folders of this run: free-running, scoring, checks, the deployment path."""
+    run = cfg.model_dir / "runs" / cfg.run.name
+    return {"free_running": run / name, "scoring": run / f"{name}.scores", "checks": run / f"{name}.checks",
+            "deployment": run / f"{name}.served"}
+
+
+def _model_folders(cfg: Config, name: str) -> dict[str, Path]:
+    """The model-level stage folders one variant rests on (shared by every run)."""
+    md = cfg.model_dir
+    return {"prepare": md / "original", "convert_f16": md / "gguf-f16",
+            "quantize": md / "variants" / name.split("+", 1)[0], "parity": md / "parity"}
+
+
+def _reference_folders(cfg: Config, suite: str) -> list[Path]:
+    """A suite's reference stages: the transcripts, the original's log-probs on them and its exact rows."""
+    base = cfg.model_dir / "reference" / cfg.run.name
+    return [base / part for part in (suite, f"{suite}-logprobs", f"{suite}-exact_rows")]
+
+
 def stage_peaks(cfg: Config, names: list[str]) -> dict[str, dict[str, float]]:
     """Each stage's peak host memory in MB (this process and its children, ``host_memory`` in the stage's
     manifest), keyed as the planner keys its stages: stage -> key (a suite, a variant, a base artifact, "-" for a
     model-level stage, "*" for a run-level one). Stages built before manifests carried it are left out."""
     md, run = cfg.model_dir, cfg.model_dir / "runs" / cfg.run.name
-    ref = md / "reference" / cfg.run.name
-    folders: dict[tuple[str, str], list[Path]] = {
-        ("prepare", "-"): [md / "original"], ("convert_f16", "-"): [md / "gguf-f16"], ("parity", "-"): [md / "parity"],
-        ("speed", "*"): [run / "speed"], ("load", "*"): [run / "load"]}
+    folders: dict[tuple[str, str], list[Path]] = {("speed", "*"): [run / "speed"], ("load", "*"): [run / "load"]}
     for suite in cfg.run.suites:
-        folders[("reference", suite)] = [ref / part for part in (suite, f"{suite}-logprobs", f"{suite}-exact_rows")]
+        folders[("reference", suite)] = _reference_folders(cfg, suite)
     for name in names:
+        model, evaluation = _model_folders(cfg, name), _evaluation_folders(cfg, name)
+        for stage in ("prepare", "convert_f16", "parity"):
+            folders[(stage, "-")] = [model[stage]]
         base = name.split("+", 1)[0]
-        folders[("quantize", base)] = [md / "variants" / base]
+        folders[("quantize", base)] = [model["quantize"]]
         folders[("standin", base)] = [md / "variants" / f"{base}{s}" for s in (".dequantized", ".dequantized-f16")]
-        folders[("evaluate", name)] = [run / name]
-        folders[("score", name)] = [run / f"{name}{s}" for s in (".scores", ".checks", ".served")]
+        folders[("evaluate", name)] = [evaluation["free_running"]]
+        folders[("score", name)] = [evaluation[k] for k in ("scoring", "checks", "deployment")]
     for folder in sorted(run.glob("original@*")):
         folders[("baseline", folder.name.split("@", 1)[1])] = [folder]
     out: dict[str, dict[str, float]] = {}
@@ -51,30 +71,19 @@ def stage_peaks(cfg: Config, names: list[str]) -> dict[str, dict[str, float]]:
 
 def evaluation_stages(cfg: Config, name: str) -> dict[str, float | None]:
     """One variant's stages of this run, in seconds (None: the stage has no manifest, e.g. never ran for it)."""
-    run = cfg.model_dir / "runs" / cfg.run.name
-    return {"free_running": _wall(run / name), "scoring": _wall(run / f"{name}.scores"),
-            "checks": _wall(run / f"{name}.checks"), "deployment": _wall(run / f"{name}.served")}
+    return {k: _wall(f) for k, f in _evaluation_folders(cfg, name).items()}
 
 
 def variant_stages(cfg: Config, name: str) -> dict[str, float | None]:
     """Every stage one variant's result rests on: the model-level ones (shared by every run) and this run's."""
-    md = cfg.model_dir
-    return {
-        "prepare": _wall(md / "original"),
-        "convert_f16": _wall(md / "gguf-f16"),
-        "quantize": _wall(md / "variants" / name.split("+", 1)[0]),
-        "parity": _wall(md / "parity"),
-        **evaluation_stages(cfg, name),
-    }
+    return {**{k: _wall(f) for k, f in _model_folders(cfg, name).items()}, **evaluation_stages(cfg, name)}
 
 
 def reference_stages(cfg: Config) -> dict[str, float]:
     """Per suite: the reference transcripts, the original's log-probs on them and its exact rows, in seconds."""
-    base = cfg.model_dir / "reference" / cfg.run.name
     out = {}
     for suite in cfg.run.suites:
-        walls = [w for w in (_wall(base / part) for part in (suite, f"{suite}-logprobs", f"{suite}-exact_rows"))
-                 if w is not None]
+        walls = [w for w in (_wall(f) for f in _reference_folders(cfg, suite)) if w is not None]
         if walls:
             out[suite] = sum(walls)
     return out

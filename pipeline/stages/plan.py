@@ -101,6 +101,7 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
     from pipeline.measure.stage_plan import StagePlanner, Workload, time_kind, weight_kind
     from pipeline.stages.prepare import classify_source
     from pipeline.stages.reference import f16_variant
+    from pipeline.stages.score import scores_exactness
 
     variants = variants if variants is not None else plan_variants(cfg)
     inv = inventory or model_inventory(cfg)
@@ -143,7 +144,7 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
         generated_on = producer.runtime if (reuses or sp.standin(v)) else v.runtime
         baseline_needed |= generated_on != producer.runtime
         add(sp.evaluate(v, reuses_reference=reuses), run / v.name, time_kind(v, "evaluate"), nbytes)
-        exact_here = exact_pending and _scores_exactness(v, original)
+        exact_here = exact_pending and scores_exactness(v, original_weights=v.base == original.base)
         exact_pending &= not exact_here
         add(sp.score(v, original if exact_here else None), run / f"{v.name}.scores", time_kind(v), nbytes)
         add(sp.speed(v), None, time_kind(v), nbytes, extra=_probe_ratio(cfg))
@@ -175,16 +176,6 @@ def device_blocks(inv, rows: list[Footprint]) -> list:
         return []
     parts = max(todo, key=lambda r: r.device_bytes).parts
     return model_blocks(inv, parts.get("weights", 0.0), parts.get("kv_cache", 0.0), parts.get("logits", 0.0))
-
-
-def _scores_exactness(v, original) -> bool:
-    """Whether ``v``'s scoring compares the stored KLD with the exact one (stages.score: a runtime with full logits
-    that is not the original on its own runtime), which needs the original's exact rows."""
-    from pipeline.runtimes import runtime_class
-
-    cls = runtime_class(v.runtime)
-    return cls.full_logits and not (v.base == original.base and v.runtime == original.runtime
-                                    and not cls.kv_cache_applied(v.runtime_options))
 
 
 def plan_original(cfg):

@@ -81,12 +81,11 @@ def compare_rows(cfg) -> dict:
                     if "#" in label), None)
     for stage in ("speed", "load"):
         mine = [r for r in rows if r["stage"] == stage]
-        # the speed stage keeps every probe loaded that memory allows (all, on a small model; the A/A control's
-        # second probe too) beside the pipeline's process; the load sweep serves one variant at a time
-        probes = sum(r["plan_host_mb"] for r in mine) + sum(r["plan_host_mb"] for r in mine if r["variant"] == control)
-        host = probes + PIPELINE_PROCESS_B / MIB if stage == "speed" else max((r["plan_host_mb"] for r in mine),
-                                                                              default=0.0)
         if mine and (stage, "*") in mr.walls:
+            # the speed stage keeps every probe loaded that memory allows (all, on a small model; the A/A
+            # control's second probe too) beside the pipeline's process; the load sweep serves one at a time
+            host = (sum(r["plan_host_mb"] * (2 if r["variant"] == control else 1) for r in mine)
+                    + PIPELINE_PROCESS_B / MIB) if stage == "speed" else max(r["plan_host_mb"] for r in mine)
             rows.append({"stage": f"{stage} (all variants)", "variant": "-", "measured_s": mr.walls[(stage, "*")],
                          "plan_s": sum(r["plan_s"] or 0 for r in mine), "basis": "sum of the rows above",
                          "in_sample": False,

@@ -139,6 +139,17 @@ def kld_exactness(variant_rt, lp_ref: np.ndarray, ref: SuiteReference, n: int = 
             "tail_mass_mean": float(np.exp(s["tail"][idx].astype(np.float64)).mean())}
 
 
+def scores_exactness(variant, original_weights: bool) -> bool:
+    """Whether ``variant``'s scoring compares the stored KLD with the exact one (and so needs the original's exact
+    rows): its runtime hands over full logits, and it is not the original's own weights (``original_weights``) on
+    the original's runtime without a KV-cache setting, which against itself measures nothing."""
+    from pipeline.config.schema import VariantConfig
+
+    cls = runtime_class(variant.runtime)
+    return cls.full_logits and not (original_weights and variant.runtime == VariantConfig(name="original").runtime
+                                    and not cls.kv_cache_applied(variant.runtime_options))
+
+
 def score_variant(cfg: Config, original: Original, renderer: ChatRenderer, artifact: Artifact,
                   suites: dict[str, list[Conversation]], refs: dict[str, SuiteReference]) -> dict:
     """(a): cfg.variant teacher-forced on every reference transcript (KLD, top-1, NLL per token), and the stored
@@ -154,14 +165,7 @@ def score_variant(cfg: Config, original: Original, renderer: ChatRenderer, artif
         # how the KLD and the other token-level figures are computed from the two distributions
         "kld_code": code_version("pipeline.measure.drift", teacher_forced, kld_exactness, exact_sample, longest_scored),
     }
-    from pipeline.config.schema import VariantConfig
-
-    plain_original = VariantConfig(name="original")
-    # the stored KLD against the exact one: the variant needs full logits, and the original on transformers
-    # against itself measures nothing
-    exact_ok = (runtime_class(variant.runtime).full_logits and not (
-        variant.runtime == plain_original.runtime and artifact.hash == original.hash
-        and not runtime_class(variant.runtime).kv_cache_applied(variant.runtime_options)))
+    exact_ok = scores_exactness(variant, artifact.hash == original.hash)
 
     def build(tmp: Path) -> dict:
         tf_journal = Journal(out_dir, "teacher_forced", key)
