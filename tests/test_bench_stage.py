@@ -20,6 +20,11 @@ def test_bench_entries_are_tasks_validated_when_the_config_loads():
     assert [s.name for s in cfg.selected_suites()] == ["smoke"]      # the conversation stages never see it
     assert cfg.profile.bench_limit == 8
     assert compose(["profile=full"]).profile.bench_limit is None
+    # the quick profile: HumanEval's first 64 problems, every business_mc question (a per-task override)
+    quick = compose(["profile=quick"]).profile
+    assert quick.bench_limit_for("humaneval") == 64 and quick.bench_limit_for("business_mc") is None
+    with pytest.raises(ConfigError, match="profile.bench_limits.humaneval"):
+        compose(["+profile.bench_limits.humaneval=-1"])
     with pytest.raises(ConfigError, match=r"run\.suites='bench:nosuchtask' is not valid: .*business_mc, humaneval"):
         compose(["run.suites=[smoke,bench:nosuchtask]"])
     # a stock task whose data only the hub serves stops when the config loads, naming the dataset

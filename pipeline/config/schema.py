@@ -162,14 +162,23 @@ class ProfileConfig:
     batch: int = 1
     # First N samples of each benchmark task (run.suites entries bench:TASK; None: all of them).
     bench_limit: int | None = None
+    # Per-task overrides of bench_limit, e.g. {business_mc: null} (a log-likelihood task costs far less per sample
+    # than one that generates).
+    bench_limits: dict = field(default_factory=dict)
 
     DEPLOYMENT_PATHS = ("diverging", "auto", "always", "never")
+
+    def bench_limit_for(self, task: str) -> int | None:
+        """The first N samples of benchmark ``task`` this profile runs (None: all)."""
+        return self.bench_limits[task] if task in (self.bench_limits or {}) else self.bench_limit
 
     def __post_init__(self) -> None:
         _one_of("profile.deployment_path", self.deployment_path, self.DEPLOYMENT_PATHS)
         _positive_int("profile.max_conversations", self.max_conversations, allow_none=True)
         _positive_int("profile.batch", self.batch)
         _positive_int("profile.bench_limit", self.bench_limit, allow_none=True)
+        for task, limit in (self.bench_limits or {}).items():
+            _positive_int(f"profile.bench_limits.{task}", limit, allow_none=True)
         _positive_int("profile.max_new_tokens_cap", self.max_new_tokens_cap, allow_none=True)
         for suite, over in (self.per_suite or {}).items():
             for key, value in (over or {}).items():

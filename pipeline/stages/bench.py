@@ -56,7 +56,7 @@ def bench_key(cfg: Config, original: Original, artifact: Artifact, task: str) ->
     from pipeline.suites.lmeval.tasks import get_task
 
     runtime = runtime_key(bench_config(cfg), artifact)
-    return {"task": get_task(task).key(), **runtime, "tokenizer": original.hash, "limit": cfg.profile.bench_limit,
+    return {"task": get_task(task).key(), **runtime, "tokenizer": original.hash, "limit": cfg.profile.bench_limit_for(task),
             "context_tokens": min(BENCH_CONTEXT_TOKENS, original.facts.get("context_length") or BENCH_CONTEXT_TOKENS),
             "code": {**runtime["code"], **code_version("pipeline.suites.lmeval.adapter", "pipeline.suites.lmeval.tasks",
                                                        "pipeline.suites.lmeval.sandbox")}}
@@ -79,13 +79,13 @@ def bench_task(cfg: Config, original: Original, renderer, artifact: Artifact, ta
         lm = RuntimeLM.for_variant(bcfg, artifact.path, renderer.tok, original.facts["eos_token_ids"],
                                    n_ctx=key["context_tokens"])
         try:
-            res = run_task(lm, task, work / "datasets", cfg.profile.bench_limit,
+            res = run_task(lm, task, work / "datasets", cfg.profile.bench_limit_for(task),
                            use_cache=work / f"requests-{stable_hash(key)[:16]}")
             info = lm.info
         finally:
             lm.runtime.close()
         write_jsonl(tmp / "samples.jsonl", res["samples"])
-        facts = {"task": res["task"], "metrics": res["metrics"], "limit": cfg.profile.bench_limit,
+        facts = {"task": res["task"], "metrics": res["metrics"], "limit": cfg.profile.bench_limit_for(task),
                  "samples": len(res["samples"]), "correct": sum(bool(s["correct"]) for s in res["samples"]),
                  "decoding": {**BENCH_DECODING, "rule": info["decoding"]}, "runtime_info": info,
                  "sandbox": res.get("sandbox")}
