@@ -235,3 +235,74 @@ def test_the_plan_counts_every_process_a_stage_holds(tiny_cfg):
     small = StagePlanner(cfg, model_inventory(cfg), Workload.of(cfg), False)      # the plan's own, on the tiny model
     assert rows[("score", "gguf_q8_0")].host_bytes == small.score(q8, original).host_bytes   # the first builds them
     assert rows[("score", "gguf_q4_k_m")].host_bytes == small.score(variant_of(cfg, "gguf_q4_k_m")).host_bytes
+
+
+def _component_run(**over):
+    from pipeline.measure.stage_rates import MeasuredRun
+
+    work = {"s": {"conversations": 2, "reply_tokens": 1000, "prompt_tokens": 3000, "prefill_tokens": 2000,
+                  "context_tokens": 1024}}
+    run = MeasuredRun(label="demo/quick", model="m", run="quick", profile="quick", suites=["s"], params=100_000_000,
+                      cpu_key="k", cpu="cpu", bandwidth_bytes_per_s=10e9,
+                      variants={"q8": {"bytes": 100e6, "kind": "ggml", "generates": "ggml"}},
+                      walls={("evaluate", "q8"): 60.0, ("score", "q8"): 50.0}, work=work,
+                      reply_budget={"s": 1000}, scored_tokens=500, vocab=50_000,
+                      rates={"q8": {"prefill": 1000.0, "decode": 50.0, "load_s": 1.0}})
+    for k, v in over.items():
+        setattr(run, k, v)
+    return run
+
+
+def test_a_decoded_token_costs_its_fixed_part_plus_one_read_of_the_weights():
+    """20 ms per token measured at 100 MB over 10 GB/s (10 ms of reading): 10 ms are fixed, so a model nine times
+    the bytes decodes at 10 + 90 ms a token, not nine times 20; prefill grows with the parameters; loading adds one
+    pass over the added bytes."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    tm = TimeModel(run=_component_run(), factor=1.0, basis="", plan_budget={})
+    r = tm._rates("q8", 900e6, 900_000_000)
+    assert r["decode"] == pytest.approx(0.010 + 0.090)
+    assert r["prefill"] == pytest.approx(9 / 1000.0)
+    assert r["load"] == pytest.approx(1.0 + 800e6 / 10e9)
+    bare = TimeModel(run=_component_run(bandwidth_bytes_per_s=None), factor=1.0, basis="", plan_budget={})
+    assert bare._rates("q8", 900e6, 900_000_000)["decode"] == pytest.approx(0.020 * 9)   # no bandwidth: bytes
+
+
+def test_stage_times_carry_by_their_components():
+    """The same model and work plans the measured wall; free-running grows with the reply tokens' decode and the
+    prompts' prefill; scoring's vocabulary work is what its wall leaves after reading the tokens, and grows with
+    the vocabulary."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    run = _component_run()
+    same = TimeModel(run=run, factor=1.0, basis="", plan_budget={"s": 1000}, plan_work=run.work,
+                     plan_params=run.params, plan_vocab=run.vocab)
+    assert same.estimate("evaluate", "q8", "ggml", 100e6)[0] == pytest.approx(60.0)
+    assert same.estimate("score", "q8", "ggml", 100e6)[0] == pytest.approx(50.0)
+    assert "by component" in same.estimate("score", "q8", "ggml", 100e6)[1]
+    big_vocab = TimeModel(run=run, factor=2.0, basis="", plan_budget={"s": 1000}, plan_work=run.work,
+                          plan_params=run.params, plan_vocab=4 * run.vocab)
+    # scoring: load 1 + (2000 + 500 replies) / 1000 = 3.5 s of tokens; 46.5 s over 500 rows x 50k entries
+    per_row = 46.5 / (500 * 50_000)
+    assert big_vocab.estimate("score", "q8", "ggml", 100e6)[0] == pytest.approx(2 * (3.5 + 500 * 200_000 * per_row))
+    doubled = {"s": {**run.work["s"], "reply_tokens": 2000}}
+    longer = TimeModel(run=run, factor=1.0, basis="", plan_budget={"s": 2000}, plan_work=doubled,
+                       plan_params=run.params, plan_vocab=run.vocab)
+    # free-running at the measured rates: 1 + 2000 / 1000 + 500 / 50 = 13 s of components for 60 s measured
+    assert longer.estimate("evaluate", "q8", "ggml", 100e6)[0] == pytest.approx(60.0 * (1 + 2 + 1000 / 50) / 13)
+
+
+def test_the_plan_takes_times_from_the_most_complete_run_and_not_a_prepare_of_another_source():
+    from pipeline.measure.stage_rates import TimeModel, choose_run
+
+    full = _component_run(cpu_key="other", label="demo/quick",
+                          rates={n: {"prefill": 1.0, "decode": 1.0, "load_s": 0} for n in "abcd"})
+    few = _component_run(label="demo/benchmarks")
+    assert choose_run([few, full], "another-model", "k") is full
+    assert choose_run([few, full], "m", "k") is full
+    mine = _component_run(model="another-model", label="another-model/smoke")
+    assert choose_run([few, full, mine], "another-model", "k") is mine
+    run = _component_run(source_kind="dequantized", walls={("prepare", "-"): 30.0})
+    tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={})
+    assert tm.estimate("prepare", "-", "original", 1e9, params=10 * run.params, source="used in place")[0] is None
+    assert tm.estimate("prepare", "-", "original", 1e9, params=10 * run.params, source="dequantized")[0] == pytest.approx(300)

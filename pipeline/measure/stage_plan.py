@@ -58,12 +58,13 @@ class Workload:
                 g = suite.generate
                 docs = len(g.get("lengths", [])) * len(g.get("depths", []))
                 answer = int(g.get("answer_tokens", 32))
+                prompt = sum(g.get("lengths", [])) * len(g.get("depths", []))
                 per_suite[suite.name] = {"conversations": docs, "reply_tokens": docs * answer,
-                                         "prompt_tokens": sum(g.get("lengths", [])) * len(g.get("depths", [])),
+                                         "prompt_tokens": prompt, "prefill_tokens": prompt,
                                          "context_tokens": max(g.get("lengths", [0]), default=0) + answer + 64}
                 continue
             convs = select(load_suite(suite.name, suite.path), *cfg.profile.limits(suite.name))
-            replies = prompts = longest = 0
+            replies = prompts = longest = prefill = 0
             for c in convs:
                 chars = len(c.system or "")
                 own = 0
@@ -72,9 +73,10 @@ class Workload:
                     own += t.max_new_tokens or 0
                     prompts += chars // 4 + own           # each turn re-reads the history (prefix reuse aside)
                 replies += own
+                prefill += chars // 4 + 16 * len(c.turns)  # each text read once (the history's prefix reused)
                 longest = max(longest, chars // 4 + own + 16 * len(c.turns))
             per_suite[suite.name] = {"conversations": len(convs), "reply_tokens": replies, "prompt_tokens": prompts,
-                                     "context_tokens": longest}
+                                     "prefill_tokens": prefill, "context_tokens": longest}
         rows = per_suite.values()
         context = max((r["context_tokens"] for r in rows), default=0)
         return Workload(conversations=sum(r["conversations"] for r in rows),

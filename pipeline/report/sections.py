@@ -24,22 +24,25 @@ def _run_time_section(summary: dict):
     if not t or not t.get("total_s"):
         return None
     m = lambda s: "-" if s is None else f"{s / 60:.1f}"  # noqa: E731
-    rows = [[f"references: {suite}", m(w), "", ""] for suite, w in t["references_s"].items()]
-    rows += [[f"`{n}`", m(r.get("free_running")), m(r.get("scoring")), m(r.get("deployment"))]
-             for n, r in t["variants_s"].items()]
+    tasks = sorted({k for r in t["variants_s"].values() for k in r if k.startswith("bench:")})
+    pad = [""] * (2 + len(tasks))
+    rows = [[f"references: {suite}", m(w), *pad] for suite, w in t["references_s"].items()]
+    rows += [[f"`{n}`", m(r.get("free_running")), m(r.get("scoring")), m(r.get("deployment")),
+              *(m(r.get(k)) for k in tasks)] for n, r in t["variants_s"].items()]
     label = {"load": "load stage: short sweep of `make compare` (all variants)"}
-    rows += [[label.get(k, f"{k} stage (all variants)"), m(w), "", ""] for k, w in t["run_s"].items()]
-    rows.append(["**total**", f"**{m(t['total_s'])}**", "", ""])
+    rows += [[label.get(k, f"{k} stage (all variants)"), m(w), *pad] for k, w in t["run_s"].items()]
+    rows.append(["**total**", f"**{m(t['total_s'])}**", *pad])
     covers = {"trials": "its trials, every sitting", "last sitting": "its last sitting only, from a resumed sweep "
               "that kept no trial times"}
     rows += [[f"load stage: {p} sweep of `make load` (all variants; not in the total; {covers[o['covers']]})",
-              m(o["s"]), "", ""] for p, o in (t.get("other_sweeps") or {}).items()]
+              m(o["s"]), *pad] for p, o in (t.get("other_sweeps") or {}).items()]
     return ("run-time", "Run time", [
         "Minutes per stage, each stage's own build time from its manifest (a stage reused from an earlier run counts "
         "that build, so the total is what these results cost, not this invocation's wall time); quantizing, once "
         "per model, is in the artifacts table. Where the report's load section shows `make load`'s sweep instead "
         "of the short one, that sweep's time is listed below the total.",
-        (["stage", "free-running (or the stage)", "teacher-forced scoring", "deployment path"], rows)])
+        (["stage", "free-running (or the stage)", "teacher-forced scoring", "deployment path",
+          *(f"`{k}`" for k in tasks)], rows)])
 
 
 def _speed_noise_block(summary: dict) -> list:

@@ -23,10 +23,14 @@ def _peak(folder: Path) -> float | None:
 
 
 def _evaluation_folders(cfg: Config, name: str) -> dict[str, Path]:
-    """One variant's stage folders of this run: free-running, scoring, checks, the deployment path."""
+    """One variant's stage folders of this run: free-running, scoring, checks, the deployment path and each
+    benchmark task (``bench:TASK``)."""
+    from pipeline.stages.bench import bench_dir
+
     run = cfg.model_dir / "runs" / cfg.run.name
     return {"free_running": run / name, "scoring": run / f"{name}.scores", "checks": run / f"{name}.checks",
-            "deployment": run / f"{name}.served"}
+            "deployment": run / f"{name}.served",
+            **{f"bench:{task}": bench_dir(cfg, name, task) for task in cfg.run.bench_tasks}}
 
 
 def _model_folders(cfg: Config, name: str) -> dict[str, Path]:
@@ -59,6 +63,8 @@ def stage_peaks(cfg: Config, names: list[str]) -> dict[str, dict[str, float]]:
         folders[("standin", base)] = [md / "variants" / f"{base}{s}" for s in (".dequantized", ".dequantized-f16")]
         folders[("evaluate", name)] = [evaluation["free_running"]]
         folders[("score", name)] = [evaluation[k] for k in ("scoring", "checks", "deployment")]
+        for key in (k for k in evaluation if k.startswith("bench:")):
+            folders[(key, name)] = [evaluation[key]]
     for folder in sorted(run.glob("original@*")):
         folders[("baseline", folder.name.split("@", 1)[1])] = [folder]
     out: dict[str, dict[str, float]] = {}

@@ -99,8 +99,9 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
     never take a variant's time from its own measurement (a run compared with itself)."""
     from pipeline.measure.model_inventory import model_inventory
     from pipeline.measure.stage_plan import StagePlanner, Workload, time_kind, weight_kind
-    from pipeline.stages.prepare import classify_source
+    from pipeline.stages.prepare import PREPARE_WORK, classify_source
     from pipeline.stages.reference import f16_variant
+    from pipeline.stages.bench import bench_dir
     from pipeline.stages.score import scores_exactness
 
     variants = variants if variants is not None else plan_variants(cfg)
@@ -121,8 +122,9 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
         rows.append(fp)
 
     params = inv.params
-    add(sp.prepare(classify_source(cfg.model.source)[0]), md / "original", "original", sp.original_bytes(),
-        params=params)
+    source = classify_source(cfg.model.source)[0]
+    add(sp.prepare(source), md / "original", "original", sp.original_bytes(), params=params,
+        source=PREPARE_WORK[source])
     add(sp.convert_f16(), md / "gguf-f16", "ggml", sp.gguf("F16")["bytes"], params=params)
     add(sp.parity(original, f16), md / "parity", "original", sp.original_bytes(), params=params)
     for suite in work.per_suite:
@@ -147,6 +149,10 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
         exact_here = exact_pending and scores_exactness(v, original_weights=v.base == original.base)
         exact_pending &= not exact_here
         add(sp.score(v, original if exact_here else None), run / f"{v.name}.scores", time_kind(v), nbytes)
+        for task in cfg.run.bench_tasks:
+            fp = sp.evaluate(v, reuses_reference=False)
+            fp.stage = f"bench:{task}"
+            add(fp, bench_dir(cfg, v.name, task), time_kind(v, "evaluate"), nbytes, extra=_bench_samples(cfg, task))
         add(sp.speed(v), None, time_kind(v), nbytes, extra=_probe_ratio(cfg))
         if v.runtime in cfg.load.runtimes and not v.runtime_options.get("kv_cache"):
             add(sp.load(v), None, time_kind(v), nbytes, load_levels=_load_levels(cfg))
@@ -193,6 +199,15 @@ def _calibration_ratio(v) -> float:
     return (int(cal.get("samples", 64)) * int(cal.get("seq_len", 256))) / (64 * 256)
 
 
+def _bench_samples(cfg, task: str) -> int:
+    """The samples a benchmark task runs under the profile (its first profile.bench_limit(s), else all)."""
+    from pipeline.suites.lmeval.tasks import sample_count
+
+    total = sample_count(task)
+    limit = cfg.profile.bench_limit_for(task)
+    return min(limit, total) if limit else total
+
+
 def _load_levels(cfg) -> tuple[int, float]:
     """The load sweep's levels per variant (repeats x depths x concurrency levels, a level past the knee counted
     too) and the seconds a level may last."""
@@ -221,25 +236,54 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
         plan["time_basis"] = ("no measured run under paths.results to scale from (the committed demo run "
                               "results/smollm2-135m-instruct/quick is one): times not estimated")
         return
-    mr.reply_budget = measured_budget(cfg, mr)
-    factor, basis = calibration_factor(mr, key, cfg.runtime.n_threads, recorded_here=bandwidth_here)
-    tm = TimeModel(run=mr, factor=factor, basis=basis, leave_out=leave_out,
-                   plan_budget={s: w["reply_tokens"] for s, w in sp.work.per_suite.items()})
-    plan["time_basis"] = basis
+    models: list = []
+    measured_here = {}
+
+    def model_of(run):
+        """The time model on ``run`` (its calibration measured once: ``bandwidth_here`` or this machine's now)."""
+        run.work = measured_work(cfg, run)
+        run.reply_budget = {s: w["reply_tokens"] for s, w in run.work.items()}
+        def measure_once() -> float:
+            if "bytes_per_s" not in measured_here:
+                from pipeline.measure.bandwidth import measure_bandwidth
+
+                measured_here["bytes_per_s"] = measure_bandwidth("cpu", mib=128, repeats=3,
+                                                                 threads=cfg.runtime.n_threads)["bytes_per_s"]
+            return measured_here["bytes_per_s"]
+
+        factor, basis = calibration_factor(run, key, cfg.runtime.n_threads, measure=measure_once,
+                                           recorded_here=bandwidth_here)
+        return TimeModel(run=run, factor=factor, basis=basis, leave_out=leave_out,
+                         plan_budget={s: w["reply_tokens"] for s, w in sp.work.per_suite.items()},
+                         plan_work=sp.work.per_suite, plan_params=plan["params"],
+                         plan_vocab=int((plan.get("facts") or {}).get("vocab_size") or 0) or None)
+
+    # the chosen run first; a stage it has nothing comparable for from the next run that has
+    others = sorted((r for r in runs if r is not mr), key=lambda r: -len(r.walls))
+    models.append(model_of(mr))
+    plan["time_basis"] = models[0].basis
     for fp in plan["rows"]:
         a = fp.time_args
         if fp.time_basis == "reuses the reference transcripts":
             fp.time_s = 0.0
             continue
         name = a.get("key") or fp.variant
-        fp.time_s, fp.time_basis = tm.estimate(fp.stage, name, a["kind"], a["nbytes"], suites=a.get("suites"),
-                                               params=a.get("params"), extra=a.get("extra", 1.0),
-                                               load_levels=a.get("load_levels"))
+        for i in range(len(others) + 1):
+            if i == len(models):
+                models.append(model_of(others[i - 1]))
+            t, basis = models[i].estimate(fp.stage, name, a["kind"], a["nbytes"], suites=a.get("suites"),
+                                          params=a.get("params"), extra=a.get("extra", 1.0),
+                                          load_levels=a.get("load_levels"), source=a.get("source"))
+            if i == 0 or t is not None:
+                fp.time_s, fp.time_basis = t, basis
+            if t is not None:
+                break
 
 
-def measured_budget(cfg, mr) -> dict:
-    """The measured run's reply-token budget per suite: its profile (conf/profile/NAME.yaml) on this catalogue's
-    suites; where the profile is not a file here, the planned run's own profile is assumed."""
+def measured_work(cfg, mr) -> dict:
+    """The measured run's token counts per suite (stage_plan.Workload.per_suite): its profile
+    (conf/profile/NAME.yaml) on this catalogue's suites; where the profile is not a file here, the planned run's
+    own profile is assumed."""
     import dataclasses
 
     from pipeline.config.schema import PROJECT_ROOT, ProfileConfig
@@ -256,7 +300,7 @@ def measured_budget(cfg, mr) -> dict:
         profile = build_settings(ProfileConfig, raw, f"profile {mr.profile}")
     suites = [s for s in mr.suites if s in cfg.suites] or list(cfg.run.suites)
     other = dataclasses.replace(cfg, profile=profile, run=dataclasses.replace(cfg.run, suites=suites))
-    return {s: w["reply_tokens"] for s, w in Workload.of(other).per_suite.items()}
+    return Workload.of(other).per_suite
 
 
 def totals(rows: list[Footprint]) -> dict:

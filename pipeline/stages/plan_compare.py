@@ -124,6 +124,12 @@ def compare_run(cfg) -> str:
         if errs:
             summary.append(f"{label}: median absolute error {errs[len(errs) // 2]:.0%}, largest {errs[-1]:.0%} "
                            f"over {len(errs)} stages")
+    timed = [r for r in rows if r["plan_s"] is not None and r["measured_s"] is not None and not r["in_sample"]]
+    measured = sum(r["measured_s"] for r in timed)
+    if measured >= 1:
+        planned = sum(r["plan_s"] for r in timed)
+        summary.append(f"time of the {len(timed)} stages both have, in all: plan {planned / 60:.1f} min, measured "
+                       f"{measured / 60:.1f} min ({(planned - measured) / measured:+.0%})")
     return "\n".join(lines + [""] + summary)
 
 

