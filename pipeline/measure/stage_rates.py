@@ -75,7 +75,6 @@ def source_kind(source: str) -> str | None:
 
 def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
     from pipeline.infra.files import read_json
-    from pipeline.infra.stage_cache import load_manifest
 
     try:
         s = read_json(summary_path)
@@ -146,22 +145,9 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
         for key, mb in keys.items():
             mr.peaks_mb.setdefault((stage, key), mb)
     # the stages the summary leaves out, from their manifests where the run's artifacts are still on disk
-    md = Path(artifacts) / model
+    from pipeline.measure.stage_folders import stage_walls
 
-    def wall(folder: Path) -> float | None:
-        m = load_manifest(folder)
-        return float(m["wall_s"]) if m and m.get("wall_s") is not None else None
-
-    for stage, folder in (("prepare", md / "original"), ("convert_f16", md / "gguf-f16"), ("parity", md / "parity")):
-        if (w := wall(folder)) is not None:
-            mr.walls[(stage, "-")] = w
-    for base in {v["base"] for v in variants.values()}:
-        parts = [wall(md / "variants" / f"{base}{suffix}") for suffix in (".dequantized", ".dequantized-f16")]
-        if any(p is not None for p in parts):
-            mr.walls[("standin", base)] = sum(p or 0 for p in parts)
-    for folder in sorted((md / "runs" / run).glob("original@*")):
-        if (w := wall(folder)) is not None:
-            mr.walls[("baseline", folder.name.split("@", 1)[1])] = w
+    mr.walls.update(stage_walls(Path(artifacts) / model, run, variants))
     return mr
 
 

@@ -41,7 +41,9 @@ BENCH_CONTEXT_TOKENS = 2048
 
 def bench_dir(cfg: Config, variant: str, task: str) -> Path:
     """The stage folder of ``task`` on ``variant`` in this run."""
-    return cfg.model_dir / "runs" / cfg.run.name / f"{variant}.bench-{task}"
+    from pipeline.measure.stage_folders import bench_folder
+
+    return bench_folder(cfg.model_dir / "runs" / cfg.run.name, variant, task)
 
 
 def bench_config(cfg: Config) -> Config:

@@ -1,0 +1,76 @@
+"""Where each stage of a run keeps its manifest: the folders under ``artifacts/<model>`` keyed as the planner keys
+its stages (``pipeline.stages.plan``), read by the run's stage times and peaks (``pipeline.report.stage_times``) and
+by the planner's time model (``pipeline.measure.stage_rates``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.infra.stage_cache import load_manifest
+
+
+def wall_of(folder: Path) -> float | None:
+    m = load_manifest(folder)
+    return float(m["wall_s"]) if m and m.get("wall_s") is not None else None
+
+
+def bench_folder(run_dir: Path, variant: str, task: str) -> Path:
+    """The stage folder of benchmark ``task`` on ``variant`` in the run folder ``run_dir``."""
+    return run_dir / f"{variant}.bench-{task}"
+
+
+def evaluation_folders(model_dir: Path, run_name: str, name: str, bench_tasks=()) -> dict[str, Path]:
+    """One variant's stage folders of a run: free-running, scoring, checks, the deployment path and each benchmark
+    task (``bench:TASK``)."""
+    run = model_dir / "runs" / run_name
+    return {"free_running": run / name, "scoring": run / f"{name}.scores", "checks": run / f"{name}.checks",
+            "deployment": run / f"{name}.served",
+            **{f"bench:{task}": bench_folder(run, name, task) for task in bench_tasks}}
+
+
+def model_folders(model_dir: Path, name: str) -> dict[str, Path]:
+    """The model-level stage folders one variant rests on (shared by every run)."""
+    return {"prepare": model_dir / "original", "convert_f16": model_dir / "gguf-f16",
+            "quantize": model_dir / "variants" / name.split("+", 1)[0], "parity": model_dir / "parity"}
+
+
+def reference_folders(model_dir: Path, run_name: str, suite: str) -> list[Path]:
+    """A suite's reference stages: the transcripts, the original's log-probs on them and its exact rows."""
+    base = model_dir / "reference" / run_name
+    return [base / part for part in (suite, f"{suite}-logprobs", f"{suite}-exact_rows")]
+
+
+def stage_folders(model_dir: Path, run_name: str, names, suites=(), bench_tasks=()) -> dict[tuple, list[Path]]:
+    """Every stage folder of a run, keyed as the planner keys its stages: (stage, key) -> the folders whose times
+    and peaks it sums (key: a suite, a variant, a base artifact, "-" for a model-level stage, "*" for a run-level
+    one)."""
+    md, run = model_dir, model_dir / "runs" / run_name
+    folders: dict[tuple[str, str], list[Path]] = {("speed", "*"): [run / "speed"], ("load", "*"): [run / "load"]}
+    for suite in suites:
+        folders[("reference", suite)] = reference_folders(md, run_name, suite)
+    for name in names:
+        model, evaluation = model_folders(md, name), evaluation_folders(md, run_name, name, bench_tasks)
+        for stage in ("prepare", "convert_f16", "parity"):
+            folders[(stage, "-")] = [model[stage]]
+        base = name.split("+", 1)[0]
+        folders[("quantize", base)] = [model["quantize"]]
+        folders[("standin", base)] = [md / "variants" / f"{base}{s}" for s in (".dequantized", ".dequantized-f16")]
+        folders[("evaluate", name)] = [evaluation["free_running"]]
+        folders[("score", name)] = [evaluation[k] for k in ("scoring", "checks", "deployment")]
+        for key in (k for k in evaluation if k.startswith("bench:")):
+            folders[(key, name)] = [evaluation[key]]
+    for folder in sorted(run.glob("original@*")):
+        folders[("baseline", folder.name.split("@", 1)[1])] = [folder]
+    return folders
+
+
+def stage_walls(model_dir: Path, run_name: str, names) -> dict[tuple, float]:
+    """The seconds of the stages a run's summary leaves out (prepare, the F16 conversion, parity, the dequantized
+    stand-ins, the original's own free-running baseline), from their manifests where they are on disk."""
+    out = {}
+    for (stage, key), paths in stage_folders(model_dir, run_name, names).items():
+        if stage in ("prepare", "convert_f16", "parity", "standin", "baseline"):
+            walls = [w for w in (wall_of(f) for f in paths) if w is not None]
+            if walls:
+                out[(stage, key)] = sum(walls)
+    return out
