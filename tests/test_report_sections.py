@@ -131,6 +131,27 @@ def test_hand_built_summary_matches_the_published_schema():
         validate_summary(broken)
 
 
+def test_every_committed_summary_and_the_nightly_baseline_still_match_the_contract():
+    """The nightly gate validates the committed baseline against today's schema: a field added to the contract
+    must not make it unreadable (it did once: two descriptive KV fields made required failed the first night on a
+    fresh clone with exit 2). A metric the gate reads stays required."""
+    import json
+
+    from tests.conftest import PROJECT_ROOT
+
+    paths = sorted((PROJECT_ROOT / "results").glob("*/*/summary.json")) + sorted(
+        (PROJECT_ROOT / "results").glob("*/baseline/*/summary.json"))
+    assert any("baseline" in str(p) for p in paths)
+    for path in paths:
+        summary = json.loads(path.read_text())
+        if summary.get("schema_version") == SCHEMA_VERSION:
+            validate_summary(summary, str(path))
+    broken = three_variants()
+    del broken["variants"]["q8"]["memory"]["kv_bytes_per_token"]
+    with pytest.raises(ConfigError, match="variants/q8"):
+        validate_summary(broken)
+
+
 def test_build_summary_validates_before_returning(tmp_path, monkeypatch):
     import pipeline.report.summary as mod
     from tests.conftest import compose

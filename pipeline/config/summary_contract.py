@@ -178,8 +178,11 @@ def summary_schema() -> dict:
                           "description": f"{m.label}" + (f" ({m.unit})" if m.unit else "")
                           + (f"; {m.better} is better" if m.better else "")}
                  for m in METRICS if m.section == name}
+        required = sorted(props)
+        # descriptive fields are typed but not required: a field added to the contract later must not make a
+        # summary written before it (a committed nightly baseline) unreadable; the metrics are required
         props.update({k: {"type": t} for k, t in SECTION_FIELDS[name].items()})
-        return {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+        return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
 
     interval = {"type": "object", "required": ["estimate", "low", "high"],
                 "properties": {k: {"type": ["number", "null"]} for k in ("estimate", "low", "high", "level")}}
