@@ -161,14 +161,27 @@ def find_runs(results: Path, artifacts: Path, exclude: str | None = None) -> lis
     return runs
 
 
-def choose_run(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> MeasuredRun | None:
-    """The same model's run first, then the run whose speed figures cover the most variants, then one on this CPU,
-    then the most stages: a run of a few variants on this CPU predicts the others worse than a complete one from
-    another CPU rescaled by bandwidth."""
+def rank_runs(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> list[MeasuredRun]:
+    """The runs best first: the same model's run, then the run whose speed figures cover the most variants, then
+    one on this CPU, then the most stages (a run of a few variants on this CPU predicts the others worse than a
+    complete one from another CPU rescaled by bandwidth)."""
     def rank(r: MeasuredRun):
         return (r.model == model, len(r.rates), r.cpu_key == cpu_key and cpu_key is not None, len(r.walls))
 
-    return max(runs, key=rank) if runs else None
+    return sorted(runs, key=rank, reverse=True)
+
+
+def choose_run(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> MeasuredRun | None:
+    """The best run to take times from (``rank_runs``)."""
+    ranked = rank_runs(runs, model, cpu_key)
+    return ranked[0] if ranked else None
+
+
+def bandwidth_here(threads: int) -> float:
+    """This machine's memory bandwidth in bytes/s, measured now in about a second (the short calibration)."""
+    from pipeline.measure.bandwidth import measure_bandwidth
+
+    return measure_bandwidth("cpu", mib=128, repeats=3, threads=threads)["bytes_per_s"]
 
 
 def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measure=None,
@@ -179,12 +192,7 @@ def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measu
         return 1.0, f"measured here ({mr.label}, same CPU key {cpu_key})"
     if not mr.bandwidth_bytes_per_s:
         return 1.0, f"measured on another CPU ({mr.label}: {mr.cpu}), not rescaled (it recorded no bandwidth)"
-    if measure is None:
-        from pipeline.measure.bandwidth import measure_bandwidth
-
-        def measure():
-            return measure_bandwidth("cpu", mib=128, repeats=3, threads=threads)["bytes_per_s"]
-    here = recorded_here or measure()
+    here = recorded_here or (measure() if measure is not None else bandwidth_here(threads))
     factor = mr.bandwidth_bytes_per_s / here
     return factor, (f"calibration: {mr.label} ({mr.cpu}, {mr.bandwidth_bytes_per_s / 1e9:.1f} GB/s) rescaled by "
                     f"this machine's bandwidth {'as the compared run recorded it' if recorded_here else 'measured now'} "
@@ -228,6 +236,13 @@ class TimeModel:
             per_token *= nbytes / mbytes
         return {"prefill": params / self.run.params / r["prefill"], "decode": per_token, "load": load}
 
+    def _rate_pair(self, measured: str, nbytes: float, params: int | None) -> tuple[dict | None, dict | None]:
+        """The measured variant's rates at its own size and at the planned one (``_rates``)."""
+        run = self.run
+        mbytes = (run.variants.get(measured) or {}).get("bytes") or 0
+        return (self._rates(measured, mbytes, run.params),
+                self._rates(measured, nbytes, params or self.plan_params or run.params))
+
     def _cost(self, stage: str, rates: dict, work: dict, vocab: float, fill: float, per_row: float) -> float:
         """A stage's seconds by component: loading, prompt tokens read (each text once: the history's prefix is
         reused), reply tokens decoded (free-running and the reference) or read (teacher-forced scoring), and the
@@ -250,8 +265,7 @@ class TimeModel:
         run = self.run
         if not (self.plan_work and run.work and run.vocab and self.plan_vocab):
             return None
-        mrates = self._rates(measured, (run.variants.get(measured) or {}).get("bytes") or 0, run.params)
-        prates = self._rates(measured, nbytes, params or self.plan_params or run.params)
+        mrates, prates = self._rate_pair(measured, nbytes, params)
         if mrates is None or prates is None:
             return None
         pwork = {s: w for s, w in self.plan_work.items() if s in (suites or self.plan_work)}
@@ -335,8 +349,7 @@ class TimeModel:
             ratio = nbytes / (run.variants[ref[0]]["bytes"] or nbytes) if ref else 1.0
             if stage == "load" and load_levels:
                 # a served level decodes: it grows with the time per decoded token (bytes read plus fixed costs)
-                mrates = self._rates(ref[0], run.variants[ref[0]]["bytes"], run.params) if ref else None
-                prates = self._rates(ref[0], nbytes, params or self.plan_params or run.params) if ref else None
+                mrates, prates = self._rate_pair(ref[0], nbytes, params) if ref else (None, None)
                 if mrates and prates:
                     ratio = prates["decode"] / mrates["decode"]
                 levels, cap = load_levels
@@ -371,13 +384,11 @@ class TimeModel:
         if found is None or not run.bench_samples.get((task, found[0])):
             return None, f"no {stage} stage in {run.label}"
         other, wall = found
-        mbytes = run.variants[other]["bytes"]
-        mrates = self._rates(other, mbytes, run.params)
-        prates = self._rates(other, nbytes, params or self.plan_params or run.params)
+        mrates, prates = self._rate_pair(other, nbytes, params)
         from pipeline.suites.lmeval.tasks import get_task
 
         rate = "decode" if get_task(task).generates else "prefill"
-        ratio = prates[rate] / mrates[rate] if mrates and prates else nbytes / mbytes
+        ratio = prates[rate] / mrates[rate] if mrates and prates else nbytes / run.variants[other]["bytes"]
         ratio *= samples / run.bench_samples[(task, other)]
         via = "" if other == name else f" via {other}"
         return wall * ratio * self.factor, f"{run.label}{via} x{ratio:.2g} (samples x time per {rate} token)"

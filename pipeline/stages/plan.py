@@ -133,6 +133,7 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
     baseline_needed = False
     exact_pending = True        # the first scoring stage that needs the original's exact rows builds them
     bases_done: set[str] = set()
+    bench_samples = {task: _bench_samples(cfg, task) for task in cfg.run.bench_tasks}
     for v in variants:
         kind = weight_kind(v)
         nbytes = sp.artifact_bytes(v)
@@ -149,10 +150,10 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
         exact_here = exact_pending and scores_exactness(v, original_weights=v.base == original.base)
         exact_pending &= not exact_here
         add(sp.score(v, original if exact_here else None), run / f"{v.name}.scores", time_kind(v), nbytes)
-        for task in cfg.run.bench_tasks:
+        for task, samples in bench_samples.items():
             fp = sp.evaluate(v, reuses_reference=False)
             fp.stage = f"bench:{task}"
-            add(fp, bench_dir(cfg, v.name, task), time_kind(v, "evaluate"), nbytes, extra=_bench_samples(cfg, task))
+            add(fp, bench_dir(cfg, v.name, task), time_kind(v, "evaluate"), nbytes, extra=samples)
         add(sp.speed(v), None, time_kind(v), nbytes, extra=_probe_ratio(cfg))
         if v.runtime in cfg.load.runtimes and not v.runtime_options.get("kv_cache"):
             add(sp.load(v), None, time_kind(v), nbytes, load_levels=_load_levels(cfg))
@@ -227,53 +228,46 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
     """``bandwidth_here``: this machine's bandwidth as already measured (a compared run's own record), instead
     of the calibration's measurement now."""
     from pipeline.infra.stage_cache import hardware
-    from pipeline.measure.stage_rates import TimeModel, calibration_factor, choose_run, find_runs
+    import functools
 
-    runs = find_runs(Path(cfg.paths.results), Path(cfg.paths.artifacts), exclude=exclude_run)
+    from pipeline.measure import stage_rates
+    from pipeline.measure.stage_rates import TimeModel, calibration_factor, find_runs, rank_runs
+
     key = hardware().get("cpu_key")
-    mr = choose_run(runs, cfg.model.name, key)
-    if mr is None:
+    ranked = rank_runs(find_runs(Path(cfg.paths.results), Path(cfg.paths.artifacts), exclude=exclude_run),
+                       cfg.model.name, key)
+    if not ranked:
         plan["time_basis"] = ("no measured run under paths.results to scale from (the committed demo run "
                               "results/smollm2-135m-instruct/quick is one): times not estimated")
         return
-    models: list = []
-    measured_here = {}
+    # this machine's bandwidth, measured at most once for all the runs that need it
+    measure = functools.cache(functools.partial(stage_rates.bandwidth_here, cfg.runtime.n_threads))
 
-    def model_of(run):
-        """The time model on ``run`` (its calibration measured once: ``bandwidth_here`` or this machine's now)."""
+    @functools.cache
+    def model(i: int) -> TimeModel:
+        """The time model on the i-th best run."""
+        run = ranked[i]
         run.work = measured_work(cfg, run)
         run.reply_budget = {s: w["reply_tokens"] for s, w in run.work.items()}
-        def measure_once() -> float:
-            if "bytes_per_s" not in measured_here:
-                from pipeline.measure.bandwidth import measure_bandwidth
-
-                measured_here["bytes_per_s"] = measure_bandwidth("cpu", mib=128, repeats=3,
-                                                                 threads=cfg.runtime.n_threads)["bytes_per_s"]
-            return measured_here["bytes_per_s"]
-
-        factor, basis = calibration_factor(run, key, cfg.runtime.n_threads, measure=measure_once,
+        factor, basis = calibration_factor(run, key, cfg.runtime.n_threads, measure=measure,
                                            recorded_here=bandwidth_here)
         return TimeModel(run=run, factor=factor, basis=basis, leave_out=leave_out,
                          plan_budget={s: w["reply_tokens"] for s, w in sp.work.per_suite.items()},
                          plan_work=sp.work.per_suite, plan_params=plan["params"],
                          plan_vocab=int((plan.get("facts") or {}).get("vocab_size") or 0) or None)
 
-    # the chosen run first; a stage it has nothing comparable for from the next run that has
-    others = sorted((r for r in runs if r is not mr), key=lambda r: -len(r.walls))
-    models.append(model_of(mr))
-    plan["time_basis"] = models[0].basis
+    plan["time_basis"] = model(0).basis
     for fp in plan["rows"]:
         a = fp.time_args
         if fp.time_basis == "reuses the reference transcripts":
             fp.time_s = 0.0
             continue
         name = a.get("key") or fp.variant
-        for i in range(len(others) + 1):
-            if i == len(models):
-                models.append(model_of(others[i - 1]))
-            t, basis = models[i].estimate(fp.stage, name, a["kind"], a["nbytes"], suites=a.get("suites"),
-                                          params=a.get("params"), extra=a.get("extra", 1.0),
-                                          load_levels=a.get("load_levels"), source=a.get("source"))
+        # the best run first; a stage it has nothing comparable for from the next run that has
+        for i in range(len(ranked)):
+            t, basis = model(i).estimate(fp.stage, name, a["kind"], a["nbytes"], suites=a.get("suites"),
+                                         params=a.get("params"), extra=a.get("extra", 1.0),
+                                         load_levels=a.get("load_levels"), source=a.get("source"))
             if i == 0 or t is not None:
                 fp.time_s, fp.time_basis = t, basis
             if t is not None:
