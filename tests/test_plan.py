@@ -165,7 +165,8 @@ def test_a_load_level_scales_with_the_bytes_up_to_its_time_limit_and_the_levels_
     """The served-load sweep stops a level after load.max_seconds_per_level: a model nine times larger than the
     measured one is not nine times slower once its levels reach that cap, and a sweep with a third of the levels
     (repeats=1 against 3) takes a third of the time."""
-    from pipeline.measure.stage_rates import MeasuredRun, TimeModel
+    from pipeline.measure.measured_runs import MeasuredRun
+    from pipeline.measure.stage_rates import TimeModel
 
     run = MeasuredRun(label="demo", model="m", run="quick", profile="quick", suites=[], params=100, cpu_key="k",
                       cpu="cpu",
@@ -238,7 +239,7 @@ def test_the_plan_counts_every_process_a_stage_holds(tiny_cfg):
 
 
 def _component_run(**over):
-    from pipeline.measure.stage_rates import MeasuredRun
+    from pipeline.measure.measured_runs import MeasuredRun
 
     work = {"s": {"conversations": 2, "reply_tokens": 1000, "prompt_tokens": 3000, "prefill_tokens": 2000,
                   "context_tokens": 1024}}
@@ -293,7 +294,8 @@ def test_stage_times_carry_by_their_components():
 
 
 def test_the_plan_takes_times_from_the_most_complete_run_and_not_a_prepare_of_another_source():
-    from pipeline.measure.stage_rates import TimeModel, choose_run
+    from pipeline.measure.measured_runs import choose_run
+    from pipeline.measure.stage_rates import TimeModel
 
     full = _component_run(cpu_key="other", label="demo/quick",
                           rates={n: {"prefill": 1.0, "decode": 1.0, "load_s": 0} for n in "abcd"})
@@ -306,3 +308,86 @@ def test_the_plan_takes_times_from_the_most_complete_run_and_not_a_prepare_of_an
     tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={})
     assert tm.estimate("prepare", "-", "original", 1e9, params=10 * run.params, source="used in place")[0] is None
     assert tm.estimate("prepare", "-", "original", 1e9, params=10 * run.params, source="dequantized")[0] == pytest.approx(300)
+
+
+def test_a_one_off_stage_is_a_fixed_part_plus_a_part_that_grows_with_the_parameters():
+    """A conversion measured at 10 s on a 100 M model and 6 s on a 10 M one (same CPU): 5.6 s fixed + 4.4 s per
+    100 M, so 1 B plans 49.6 s, not the 100 s that scaling the larger run by the parameters alone gives; a run on
+    another CPU, or of a size under twice apart, is no second size."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    run = _component_run(walls={("convert_f16", "-"): 10.0, ("quantize", "q8"): 4.0})
+    small = _component_run(label="tiny/smoke", params=10_000_000,
+                           walls={("convert_f16", "-"): 6.0, ("quantize", "q8"): 3.0})
+    alone = TimeModel(run=run, factor=1.0, basis="", plan_budget={})
+    assert alone.estimate("convert_f16", "-", "ggml", 1e9, params=1_000_000_000)[0] == pytest.approx(100.0)
+    tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, others=[run, small])
+    t, basis = tm.estimate("convert_f16", "-", "ggml", 1e9, params=1_000_000_000)
+    slope = 4.0 / 90e6
+    assert t == pytest.approx(10.0 - slope * 100e6 + slope * 1e9) and "fixed" in basis and "tiny/smoke" in basis
+    assert tm.estimate("quantize", "q8", "ggml", 1e9, params=1_000_000_000)[0] == pytest.approx(
+        4.0 - 1 / 90e6 * 100e6 + 1 / 90e6 * 1e9)
+    elsewhere = _component_run(label="tiny/smoke", params=10_000_000, cpu_key="other",
+                               walls={("convert_f16", "-"): 6.0})
+    near = _component_run(label="near/smoke", params=60_000_000, walls={("convert_f16", "-"): 6.0})
+    for other in (elsewhere, near):
+        tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, others=[other])
+        assert tm.estimate("convert_f16", "-", "ggml", 1e9, params=1_000_000_000)[0] == pytest.approx(100.0)
+
+
+def test_the_original_s_exact_rows_are_planned_in_the_scoring_that_builds_them():
+    """The first variant compared with the original's exact rows builds them (the original loaded on its runtime,
+    its longest transcript read): that cost leaves the measured builder's wall before its work per row is fitted,
+    and is added to the planned builder's scoring only."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    run = _component_run()
+    run.variants["original"] = {"bytes": 200e6, "kind": "original", "generates": "original"}
+    run.rates["original"] = {"prefill": 500.0, "decode": 20.0, "load_s": 3.0}
+    run.exact_builder = "q8"
+    exact = 3.0 + 1024 / 500.0                 # the original's load and its longest transcript (context_tokens)
+    same = TimeModel(run=run, factor=1.0, basis="", plan_budget={"s": 1000}, plan_work=run.work,
+                     plan_params=run.params, plan_vocab=run.vocab, plan_original_bytes=200e6)
+    built, basis = same.estimate("score", "q8", "ggml", 100e6, builds_exact=True)
+    assert built == pytest.approx(50.0) and "exact rows" in basis
+    # scoring: load 1 + (2000 + 500) / 1000 s of tokens + the exact rows; the rest over 500 rows x 50k entries
+    per_row = (50.0 - 3.5 - exact) / (500 * 50_000)
+    assert same.estimate("score", "q8", "ggml", 100e6)[0] == pytest.approx(50.0 - exact)
+    big_vocab = TimeModel(run=run, factor=1.0, basis="", plan_budget={"s": 1000}, plan_work=run.work,
+                          plan_params=run.params, plan_vocab=2 * run.vocab, plan_original_bytes=200e6)
+    assert big_vocab.estimate("score", "q8", "ggml", 100e6)[0] == pytest.approx(3.5 + 500 * 100_000 * per_row)
+
+
+def test_the_speed_stage_is_each_label_s_start_load_and_probes():
+    """Each probe label costs its worker's start (what the measured wall leaves after its labels' loads and
+    generations, shared evenly) plus its load and protocol at the planned size; the A/A control counts twice."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    run = _component_run(walls={("speed", "*"): 100.0, ("score", "q8"): 50.0}, speed_round=["q8", "q8#A/A"],
+                         speed_protocol={"rounds": 10, "warmup": 1, "repeats": 1, "prompt_tokens": 100,
+                                         "decode_tokens": 50})
+    label = 1.0 + 11 * (100 / 1000.0 + 50 / 50.0)        # load + 11 generations at the measured rates
+    start = (100.0 - 2 * label) / 2
+    tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, plan_params=run.params,
+                   plan_speed={"rounds": 2, "warmup": 1, "repeats": 1, "prompt_tokens": 100, "decode_tokens": 50})
+    one, basis = tm.estimate("speed", "q8", "ggml", 100e6)
+    assert one == pytest.approx(start + 1.0 + 3 * 1.1) and "start" in basis
+    assert tm.estimate("speed", "q8", "ggml", 100e6, labels=2)[0] == pytest.approx(2 * one)
+
+
+def test_runs_of_other_vocabularies_or_cpus_are_no_second_size():
+    """The fixed part of a conversion includes reading the tokenizer: a run with another vocabulary size does not
+    pair; nor does one whose stage ran on another CPU (its manifest's, not the run's)."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    run = _component_run(walls={("convert_f16", "-"): 10.0})
+    other_vocab = _component_run(label="tiny/smoke", params=10_000_000, vocab=128_000,
+                                 walls={("convert_f16", "-"): 6.0})
+    built_elsewhere = _component_run(label="tiny/smoke", params=10_000_000, walls={("convert_f16", "-"): 6.0},
+                                     wall_cpus={("convert_f16", "-"): "other"})
+    for other in (other_vocab, built_elsewhere):
+        tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, others=[other])
+        assert tm.estimate("convert_f16", "-", "ggml", 1e9, params=1_000_000_000)[0] == pytest.approx(100.0)
+    same = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, others=[
+        _component_run(label="tiny/smoke", params=10_000_000, walls={("convert_f16", "-"): 6.0})])
+    assert same.estimate("convert_f16", "-", "ggml", 1e9, params=1_000_000_000)[0] < 100.0

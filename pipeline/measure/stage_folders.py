@@ -74,3 +74,16 @@ def stage_walls(model_dir: Path, run_name: str, names) -> dict[tuple, float]:
             if walls:
                 out[(stage, key)] = sum(walls)
     return out
+
+
+def model_stage_cpus(model_dir: Path, names) -> dict[tuple, str]:
+    """The CPU (hardware.cpu_key) each model-level stage of a run's model was built on, from its manifest: the
+    artifacts a run rests on may come from another machine than the run itself (a checkout's artifacts folder kept
+    beside a committed summary)."""
+    out = {}
+    for name in names:
+        for stage, folder in model_folders(model_dir, name).items():
+            m = load_manifest(folder)
+            if m and (m.get("hardware") or {}).get("cpu_key"):
+                out[(stage, "-" if stage != "quantize" else name.split("+", 1)[0])] = m["hardware"]["cpu_key"]
+    return out

@@ -1,202 +1,24 @@
 """Each stage's time, from earlier measured runs scaled to the planned one, or with a short calibration.
 
-A measured run is a ``summary.json`` under paths.results (its stage times: references per suite, per variant
-free-running and scoring, the run's speed and load stages, each artifact's quantization) plus, where its
-artifacts are still on disk, the stage manifests the summary does not carry (prepare, the F16 conversion, parity,
-the dequantized stand-ins, the original's own free-running baseline). A planned stage takes the time of the same
-stage of the same variant (else of the measured variant of the same weight kind with the nearest size), scaled by
-the ratio of weight bytes (decode reads every weight once per token) and of token budgets (the suites' capped
-reply budgets under each run's profile). A run from this CPU (the same instruction-set key) is used as it is; one
-from another machine is scaled by the ratio of memory bandwidths, this machine's measured now in about a second:
-the short calibration.
+A measured run is a ``summary.json`` under paths.results (its stage times:
+references per suite, per variant free-running and scoring, the run's speed and load stages, each artifact's
+quantization) plus, where its artifacts are still on disk, the stage manifests the summary does not carry (prepare,
+the F16 conversion, parity, the dequantized stand-ins, the original's own free-running baseline). A planned stage
+takes the time of the same stage of the same variant (else of the measured variant of the same weight kind with
+the nearest size), carried by the ratio of its components (``TimeModel.by_component``: loading, prompt tokens
+read, reply tokens decoded, work per vocabulary entry, the original's own passes; a speed probe's worker start,
+load and generations); a one-off stage (conversion, parity, quantization) by a fixed part and a part that grows
+with the parameters where a run of another size with the same tokenizer on this CPU has it
+(``TimeModel._two_sizes``), else by the parameters. A run from this CPU (the same instruction-set key) is used as
+it is; one from another machine is scaled by the ratio of memory bandwidths, this machine's measured now in about
+a second: the short calibration.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class MeasuredRun:
-    label: str                      # results/<model>/<run>
-    model: str
-    run: str
-    profile: str
-    suites: list[str]
-    params: int
-    cpu_key: str | None
-    cpu: str
-    bandwidth_bytes_per_s: float | None
-    variants: dict                  # name -> {"bytes", "kind", "runtime", "calibration_tokens"}
-    walls: dict = field(default_factory=dict)      # (stage, key) -> seconds
-    peaks_mb: dict = field(default_factory=dict)   # (stage, key) -> MB measured
-    speed_labels: int = 1
-    load_variants: int = 1
-    load_cells: int = 1             # load levels one variant ran: repeats x depths x concurrency levels
-    reply_budget: dict | None = None                # suite -> budget under its profile (filled by the planner)
-    work: dict | None = None        # suite -> its token counts under the run's profile (filled by the planner)
-    rates: dict = field(default_factory=dict)       # variant -> {"prefill", "decode": tokens/s, "load_s"}
-    scored_tokens: int | None = None                # reply tokens the run scored (its replies' real lengths)
-    vocab: int | None = None
-    source_kind: str | None = None  # what its prepare stage made the original from (prepare.classify_source)
-    bench_samples: dict = field(default_factory=dict)   # (task, variant) -> samples the benchmark stage ran
-
-
-def _kind(v: dict) -> str:
-    """The weight kind as the planner names it (stage_plan.time_kind): ggml, original, packed:<method>."""
-    art = v.get("artifact") or {}
-    if art.get("gguf_type"):
-        return "ggml"
-    if art.get("format") in (None, "hf-safetensors"):
-        return "original"
-    return f"packed:{(art.get('quantize_settings') or {}).get('method', art.get('format'))}"
-
-
-def _generated_on_gguf(v: dict) -> bool:
-    """Its replies came from a GGUF file (its own, or the dequantized stand-in's)."""
-    return bool((v.get("artifact") or {}).get("gguf_type")) or "GGUF" in str((v.get("paths") or {}).get("free_running"))
-
-
-def source_kind(source: str) -> str | None:
-    """What the prepare stage did with a run's source (prepare.PREPARE_WORK: a GGUF file dequantized, a folder used
-    in place, a hub id downloaded); None when the source cannot be classified here."""
-    from pipeline.infra.errors import ConfigError
-    from pipeline.stages.prepare import PREPARE_WORK, classify_source
-
-    try:
-        return PREPARE_WORK[classify_source(source)[0]]
-    except ConfigError:           # a file no longer here: its suffix says
-        return PREPARE_WORK["gguf"] if source.lower().endswith(".gguf") else None
-
-
-def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
-    from pipeline.infra.files import read_json
-
-    try:
-        s = read_json(summary_path)
-    except (OSError, ValueError):
-        return None
-    st = s.get("stage_times") or {}
-    if not st or not (s.get("model") or {}).get("params"):
-        return None
-    model, run = s["model"]["name"], s["run"]["name"]
-    variants = {}
-    for name, v in (s.get("variants") or {}).items():
-        if v.get("status") != "ok":
-            continue
-        art = v.get("artifact") or {}
-        cal = (art.get("quantize_settings") or {}).get("calibration") or {}
-        variants[name] = {"bytes": (v.get("memory") or {}).get("artifact_bytes"), "kind": _kind(v),
-                          "generates": "ggml" if _generated_on_gguf(v) else _kind(v),
-                          "runtime": v.get("runtime"), "base": name.split("+", 1)[0],
-                          "calibration_tokens": (cal.get("samples") or 0) * (cal.get("seq_len") or 0) or None}
-    mr = MeasuredRun(label=f"{summary_path.parent.parent.name}/{summary_path.parent.name}", model=model, run=run,
-                     profile=s["run"].get("profile") or run, suites=list(s["run"].get("suites") or []),
-                     params=int(s["model"]["params"]), cpu_key=(s.get("hardware") or {}).get("cpu_key"),
-                     cpu=(s.get("hardware") or {}).get("cpu") or "?",
-                     bandwidth_bytes_per_s=(s.get("bandwidth") or {}).get("bytes_per_s"), variants=variants,
-                     vocab=(s.get("model") or {}).get("vocab_size"),
-                     source_kind=source_kind((s.get("model") or {}).get("source") or ""))
-    for name in variants:
-        v = s["variants"][name]
-        sp = v.get("speed") or {}
-        if sp.get("prefill_tokens_per_s") and sp.get("decode_tokens_per_s"):
-            mr.rates[name] = {"prefill": sp["prefill_tokens_per_s"], "decode": sp["decode_tokens_per_s"],
-                              "load_s": sp.get("load_s") or 0.0}
-        mr.scored_tokens = mr.scored_tokens or (v.get("drift") or {}).get("scored_tokens")
-        for task, b in (v.get("benchmarks") or {}).items():
-            if b.get("samples"):
-                mr.bench_samples[(task, name)] = b["samples"]
-            if b.get("wall_s") is not None:        # the task's own time, where stage_times has no bench column
-                mr.walls.setdefault((f"bench:{task}", name), b["wall_s"])
-    for suite, sec in (st.get("references_s") or {}).items():
-        mr.walls[("reference", suite)] = sec
-    for name, row in (st.get("variants_s") or {}).items():
-        if row.get("free_running") is not None:
-            mr.walls[("evaluate", name)] = row["free_running"]
-        mr.walls[("score", name)] = (row.get("scoring") or 0) + (row.get("checks") or 0) + (row.get("deployment") or 0)
-        for key in (k for k in row if k.startswith("bench:")):
-            mr.walls[(key, name)] = row[key]
-    order = (s.get("speed_protocol") or {}).get("order") or [[]]
-    mr.speed_labels = max(1, len(order[0]))
-    lc = s.get("load") or {}
-    served = [n for n, v in (lc.get("variants") or {}).items() if v.get("status") == "ok"]
-    mr.load_variants = max(1, len(served))
-    mr.load_cells = max(1, int(lc.get("repeats") or 1) * len(lc.get("depths") or [0])
-                        * len(lc.get("concurrency") or [0]))
-    for stage, key in (("speed", "speed"), ("load", "load")):
-        if (st.get("run_s") or {}).get(key) is not None:
-            mr.walls[(stage, "*")] = st["run_s"][key]
-    for name, v in (s.get("variants") or {}).items():
-        art, mem = v.get("artifact") or {}, v.get("memory") or {}
-        if art.get("quantize_wall_s") is not None:
-            mr.walls[("quantize", name.split("+", 1)[0])] = art["quantize_wall_s"]
-        if art.get("quantize_peak_rss_mb") is not None:
-            mr.peaks_mb[("quantize", name.split("+", 1)[0])] = art["quantize_peak_rss_mb"]
-        if mem.get("peak_rss_mb") is not None:
-            mr.peaks_mb[("speed", name)] = mem["peak_rss_mb"]
-    # every stage's peak host memory (this process and its children), where the run recorded it; a speed
-    # probe's own peak (per variant, above) is the probe process alone
-    for stage, keys in (st.get("peak_host_mb") or {}).items():
-        for key, mb in keys.items():
-            mr.peaks_mb.setdefault((stage, key), mb)
-    # the stages the summary leaves out, from their manifests where the run's artifacts are still on disk
-    from pipeline.measure.stage_folders import stage_walls
-
-    mr.walls.update(stage_walls(Path(artifacts) / model, run, variants))
-    return mr
-
-
-def find_runs(results: Path, artifacts: Path, exclude: str | None = None) -> list[MeasuredRun]:
-    """Every finished run under ``results`` (results/<model>/<run>/summary.json), ``exclude`` (a label) left out."""
-    runs = []
-    for path in sorted(Path(results).glob("*/*/summary.json")):
-        mr = read_run(path, artifacts)
-        if mr and mr.label != exclude:
-            runs.append(mr)
-    return runs
-
-
-def rank_runs(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> list[MeasuredRun]:
-    """The runs best first: the same model's run, then the run whose speed figures cover the most variants, then
-    one on this CPU, then the most stages (a run of a few variants on this CPU predicts the others worse than a
-    complete one from another CPU rescaled by bandwidth)."""
-    def rank(r: MeasuredRun):
-        return (r.model == model, len(r.rates), r.cpu_key == cpu_key and cpu_key is not None, len(r.walls))
-
-    return sorted(runs, key=rank, reverse=True)
-
-
-def choose_run(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> MeasuredRun | None:
-    """The best run to take times from (``rank_runs``)."""
-    ranked = rank_runs(runs, model, cpu_key)
-    return ranked[0] if ranked else None
-
-
-def bandwidth_here(threads: int) -> float:
-    """This machine's memory bandwidth in bytes/s, measured now in about a second (the short calibration)."""
-    from pipeline.measure.bandwidth import measure_bandwidth
-
-    return measure_bandwidth("cpu", mib=128, repeats=3, threads=threads)["bytes_per_s"]
-
-
-def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measure=None,
-                       recorded_here: float | None = None) -> tuple[float, str]:
-    """(multiplier, what it rests on): 1 on the run's own CPU; else the run's bandwidth / this machine's, measured
-    now, or ``recorded_here`` (bytes/s this machine recorded earlier: a compared run's own reading)."""
-    if mr.cpu_key and mr.cpu_key == cpu_key:
-        return 1.0, f"measured here ({mr.label}, same CPU key {cpu_key})"
-    if not mr.bandwidth_bytes_per_s:
-        return 1.0, f"measured on another CPU ({mr.label}: {mr.cpu}), not rescaled (it recorded no bandwidth)"
-    here = recorded_here or (measure() if measure is not None else bandwidth_here(threads))
-    factor = mr.bandwidth_bytes_per_s / here
-    return factor, (f"calibration: {mr.label} ({mr.cpu}, {mr.bandwidth_bytes_per_s / 1e9:.1f} GB/s) rescaled by "
-                    f"this machine's bandwidth {'as the compared run recorded it' if recorded_here else 'measured now'} "
-                    f"({here / 1e9:.1f} GB/s)")
+from pipeline.measure.measured_runs import MeasuredRun
 
 
 @dataclass
@@ -211,6 +33,9 @@ class TimeModel:
     plan_work: dict | None = None         # suite -> the planned run's token counts (stage_plan.Workload.per_suite)
     plan_params: int | None = None
     plan_vocab: int | None = None
+    plan_original_bytes: float | None = None
+    plan_speed: dict | None = None        # the planned run's speed protocol (``speed_protocol``)
+    others: list = field(default_factory=list)   # the other measured runs (a second size for one-off stages)
 
     def _fill(self) -> float:
         """The measured run's replies' real length over their budget (replies stop before it)."""
@@ -228,13 +53,95 @@ class TimeModel:
         if not r or not v.get("bytes"):
             return None
         bw, mbytes = self.run.bandwidth_bytes_per_s, v["bytes"]
-        per_token, load = 1.0 / r["decode"], r["load_s"]
+        per_token, load = 1.0 / r["decode"], self._load_s(measured)
         if bw:
             per_token = max(0.0, per_token - mbytes / bw) + nbytes / bw
             load += max(0.0, nbytes - mbytes) / bw
         else:
             per_token *= nbytes / mbytes
         return {"prefill": params / self.run.params / r["prefill"], "decode": per_token, "load": load}
+
+    def _two_sizes(self, stage: str, key: str, wall: float, params: int) -> tuple[float, str] | None:
+        """A one-off stage (a conversion, the parity check, a quantization) at ``params`` from a fixed part and a
+        part that grows with the parameters, fitted on this run's wall and the same stage of another run on the same
+        CPU and vocabulary whose model is at least twice smaller or larger (the one furthest in size): on a small
+        model the fixed part (an interpreter's start, imports, reading the tokenizer) is most of the time, so one
+        size scaled by the parameters alone over-plans a large one. The fixed part depends on the tokenizer (the
+        converter reads and checks the whole vocabulary), so only runs with the same vocabulary size pair. The CPU
+        is each wall's own (``MeasuredRun.cpu_of``); a prepare stage pairs only with one that prepared the same kind
+        of source. None without such a run."""
+        run, cpu = self.run, self.run.cpu_of(stage, key)
+        pairs = [(o.params, o.walls[(stage, key)], o) for o in self.others
+                 if o is not run and cpu and o.cpu_of(stage, key) == cpu and (stage, key) in o.walls
+                 and o.vocab == run.vocab and max(o.params, run.params) >= 2 * min(o.params, run.params)
+                 and (stage != "prepare" or o.source_kind == run.source_kind)]
+        if not pairs or run.params <= 0:
+            return None
+        size, other_wall, other = max(pairs, key=lambda p: max(p[0], run.params) / min(p[0], run.params))
+        (s1, t1), (s2, t2) = sorted([(size, other_wall), (run.params, wall)])
+        slope = max(0.0, (t2 - t1) / (s2 - s1))
+        fixed = max(0.0, t2 - slope * s2)
+        return fixed + slope * params, (f"{run.label} and {other.label}: {fixed:.1f} s fixed + "
+                                        f"{slope * 1e9:.1f} s per billion parameters")
+
+    def _load_s(self, measured: str) -> float:
+        """The measured variant's load: the fastest of the variants with its weights on its runtime (the original
+        and the original with a KV-cache setting load the same file; on a shared machine a slower load is the
+        slower one's contention, or a first import, not the weights')."""
+        v = self.run.variants[measured]
+        if v.get("base") is None:
+            return self.run.rates[measured]["load_s"]
+        same = [r["load_s"] for n, r in self.run.rates.items()
+                if (self.run.variants.get(n) or {}).get("base") == v["base"]
+                and (self.run.variants.get(n) or {}).get("runtime") == v.get("runtime")]
+        return min(same or [self.run.rates[measured]["load_s"]])
+
+    def _exact_cost(self, original_rates: dict | None, work: dict) -> float:
+        """Building the original's exact rows (stages.score.exact_sample_logprobs), once per suite by the first
+        variant compared with them: the original loaded on its runtime and its longest transcript read."""
+        if not original_rates:
+            return 0.0
+        return sum(original_rates["load"] + w["context_tokens"] * original_rates["prefill"] for w in work.values())
+
+    @staticmethod
+    def _probe_cost(rates: dict, protocol: dict) -> float:
+        """One speed-probe label: its model loaded, then every generation of the protocol."""
+        n = protocol["warmup"] + protocol["rounds"] * protocol["repeats"]
+        return rates["load"] + n * (protocol["prompt_tokens"] * rates["prefill"]
+                                    + protocol["decode_tokens"] * rates["decode"])
+
+    def _speed(self, name: str, kind: str, nbytes: float, params: int | None,
+               labels: int) -> tuple[float, str] | None:
+        """The speed stage's time for one variant (``labels``: 2 for the A/A control) by component: each label's
+        model load and generations at the planned size, plus each label's share of what the measured stage's wall
+        leaves after its own labels' components (a probe worker's start: the interpreter, the runtime's imports,
+        the CPU checks). None without the measured run's protocol or speed figures."""
+        run = self.run
+        if not (run.speed_protocol and self.plan_speed and run.speed_round and ("speed", "*") in run.walls):
+            return None
+        measured = [label.split("#", 1)[0] for label in run.speed_round]
+        if any(v not in run.rates or not run.variants[v].get("bytes") for v in measured):
+            return None
+        costs = [self._probe_cost(self._rates(v, run.variants[v]["bytes"], run.params), run.speed_protocol)
+                 for v in measured]
+        start = max(0.0, run.walls[("speed", "*")] - sum(costs)) / len(costs)
+        ref = self._match("score", name, kind, nbytes)
+        if not ref or ref[0] not in run.rates:
+            return None
+        rates = self._rates(ref[0], nbytes, params or self.plan_params or run.params)
+        t = labels * (start + self._probe_cost(rates, self.plan_speed))
+        via = "" if ref[0] == name else f" via {ref[0]}"
+        return t, (f"{run.label}{via} by component ({labels} label{'s' * (labels > 1)}: a worker's start "
+                   f"{start:.1f} s + its load and probes)")
+
+    @staticmethod
+    def _rows_cost(original_rates: dict | None, work: dict, fill: float) -> float:
+        """The reference's exact rows (stages.reference.exact_rows): the original loaded on its runtime and every
+        transcript read once more (its prompts and its replies)."""
+        if not original_rates:
+            return 0.0
+        tokens = sum(w.get("prefill_tokens", w["prompt_tokens"]) + w["reply_tokens"] * fill for w in work.values())
+        return original_rates["load"] + tokens * original_rates["prefill"]
 
     def _rate_pair(self, measured: str, nbytes: float, params: int | None) -> tuple[dict | None, dict | None]:
         """The measured variant's rates at its own size and at the planned one (``_rates``)."""
@@ -258,10 +165,14 @@ class TimeModel:
         return cost
 
     def by_component(self, stage: str, measured: str, wall: float, nbytes: float, suites: list[str] | None,
-                     params: int | None, measured_suites: list[str] | None = None) -> float | None:
+                     params: int | None, measured_suites: list[str] | None = None,
+                     builds_exact: bool = False) -> float | None:
         """The measured stage's wall carried to the planned one by the ratio of their component costs (each at its
         own size, token counts and vocabulary); scoring's and the reference's cost per vocabulary entry is what the
-        measured wall leaves after its tokens. None without speed figures or token counts to rest on."""
+        measured wall leaves after its tokens. The original's own passes are components of their own: in every
+        reference its exact rows (``_rows_cost``), in the scoring that builds them its exact-sample rows
+        (``_exact_cost``: taken out of the measured wall where that variant built them, ``MeasuredRun.exact_builder``,
+        added where the planned one does, ``builds_exact``). None without speed figures or token counts."""
         run = self.run
         if not (self.plan_work and run.work and run.vocab and self.plan_vocab):
             return None
@@ -272,13 +183,22 @@ class TimeModel:
         # the measured wall covers the measured run's suites (one suite for a reference)
         mwork = {s: w for s, w in run.work.items() if s in (measured_suites or run.work)}
         fill = self._fill()
-        base = self._cost(stage, mrates, mwork, run.vocab, fill, 0.0)
+        exact_m = exact_p = 0.0
+        if stage in ("score", "reference") and "original" in run.rates:
+            morig, porig = self._rate_pair("original", self.plan_original_bytes or run.variants["original"]["bytes"],
+                                           params)
+            if stage == "reference":      # every reference: the original's exact rows (stages.reference.exact_rows)
+                exact_m, exact_p = self._rows_cost(morig, mwork, fill), self._rows_cost(porig, pwork, fill)
+            else:
+                exact_m = self._exact_cost(morig, mwork) if measured == run.exact_builder else 0.0
+                exact_p = self._exact_cost(porig, pwork) if builds_exact else 0.0
+        base = self._cost(stage, mrates, mwork, run.vocab, fill, 0.0) + exact_m
         rows = sum(w["reply_tokens"] for w in mwork.values()) * fill * run.vocab
         per_row = max(0.0, wall - base) / rows if stage in ("score", "reference") and rows else 0.0
-        measured_cost = self._cost(stage, mrates, mwork, run.vocab, fill, per_row)
+        measured_cost = self._cost(stage, mrates, mwork, run.vocab, fill, per_row) + exact_m
         if measured_cost <= 0 or not pwork or not mwork:
             return None
-        return wall * self._cost(stage, prates, pwork, self.plan_vocab, fill, per_row) / measured_cost
+        return wall * (self._cost(stage, prates, pwork, self.plan_vocab, fill, per_row) + exact_p) / measured_cost
 
     def _tokens(self, suites: list[str] | None = None) -> float:
         """Planned reply-token budget over the measured run's (a suite it did not have: against all it had)."""
@@ -307,7 +227,8 @@ class TimeModel:
 
     def estimate(self, stage: str, name: str, kind: str, nbytes: float, suites: list[str] | None = None,
                  params: int | None = None, extra: float = 1.0, load_levels: tuple[int, float] | None = None,
-                 source: str | None = None) -> tuple[float | None, str]:
+                 source: str | None = None, builds_exact: bool = False,
+                 labels: int = 1) -> tuple[float | None, str]:
         """(seconds, basis) of ``stage`` for the planned variant ``name``. ``load_levels``: the planned load sweep's
         levels per variant and the seconds one level may last (load.max_seconds_per_level): a level's measured time
         scales with the bytes up to that cap, then the levels add up."""
@@ -316,14 +237,19 @@ class TimeModel:
             return None, (f"not comparable: {run.label}'s source was {run.source_kind}, this one is {source}")
         if stage in ("prepare", "convert_f16", "parity", "standin", "baseline"):
             # shared stages, and those of one variant with nothing comparable beside them: their own measurement
-            walls = [w for (s, k), w in run.walls.items() if s == stage and k in ("-", name)] or \
-                [w for (s, _), w in run.walls.items() if s == stage]
+            keyed = [(k, w) for (s, k), w in run.walls.items() if s == stage and k in ("-", name)] or \
+                [(k, w) for (s, k), w in run.walls.items() if s == stage]
+            walls = [w for _, w in keyed]
             if not walls:
                 return None, f"no {stage} stage measured in {run.label}"
             if stage == "baseline" and "original" in run.rates:
                 t = self.by_component("evaluate", "original", walls[0], nbytes, None, params)
                 if t is not None:
                     return t * self.factor, f"{run.label} by component (original's speeds)"
+            if stage != "baseline" and params and (fit := self._two_sizes(stage, keyed[0][0], walls[0], params)):
+                return fit[0] * self.factor, fit[1]
+            if stage == "prepare" and source == "used in place":     # its facts written, the weights not read
+                return walls[0] * self.factor, f"{run.label} x1 (a folder used in place: not its size)"
             ratio = (params or run.params) / run.params * (self._tokens() if stage == "baseline" else 1.0)
             return walls[0] * ratio * self.factor, f"{run.label} x{ratio:.2g} (params{' x tokens' * (stage == 'baseline')})"
         if stage == "reference":
@@ -344,6 +270,8 @@ class TimeModel:
         if stage in ("speed", "load"):
             if (stage, "*") not in run.walls:
                 return None, f"no {stage} stage in {run.label}"
+            if stage == "speed" and (by := self._speed(name, kind, nbytes, params, labels)) is not None:
+                return by[0] * self.factor, by[1]
             per = run.walls[(stage, "*")] / (run.speed_labels if stage == "speed" else run.load_variants)
             ref = self._match("score", name, kind, nbytes)
             ratio = nbytes / (run.variants[ref[0]]["bytes"] or nbytes) if ref else 1.0
@@ -366,9 +294,12 @@ class TimeModel:
         other, wall = found
         via = "" if other == name else f" via {other}"
         if stage in ("evaluate", "score"):
-            t = self.by_component(stage, other, wall, nbytes, None, params)
+            t = self.by_component(stage, other, wall, nbytes, None, params, builds_exact=builds_exact)
             if t is not None:
-                return t * extra * self.factor, f"{run.label}{via} by component"
+                exact = " (the original's exact rows built here)" if builds_exact else ""
+                return t * extra * self.factor, f"{run.label}{via} by component{exact}"
+        if stage == "quantize" and other == name and params and (fit := self._two_sizes(stage, name, wall, params)):
+            return fit[0] * extra * self.factor, fit[1]
         ratio = nbytes / (run.variants.get(other, {}).get("bytes") or nbytes)
         if stage in ("evaluate", "score", "baseline"):
             ratio *= self._tokens()

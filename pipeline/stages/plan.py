@@ -2,9 +2,10 @@
 
 From the model's shapes alone (``pipeline.measure.model_inventory``) and the run's variants, suites and profile:
 each stage's disk, peak host and device memory (``pipeline.measure.stage_plan``) and time
-(``pipeline.measure.stage_rates``), then the totals against this machine's free disk (the artifacts folder's
-filesystem) and memory (MemAvailable, or the cgroup's limit when lower) with ``capacity.headroom`` kept free. A
-run that does not fit is refused naming the numbers (exit 2); ``plan.check=false`` runs it anyway.
+(``pipeline.measure.stage_rates`` on the runs of ``pipeline.measure.measured_runs``), then the totals against
+this machine's free disk (the artifacts folder's filesystem) and memory (MemAvailable, or the cgroup's limit when
+lower) with ``capacity.headroom`` kept free. A run that does not fit is refused naming the numbers (exit 2);
+``plan.check=false`` runs it anyway.
 ``plan.compare=true`` sets a finished run's plan beside what it measured instead (``pipeline.stages.plan_compare``).
 """
 
@@ -134,6 +135,8 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
     exact_pending = True        # the first scoring stage that needs the original's exact rows builds them
     bases_done: set[str] = set()
     bench_samples = {task: _bench_samples(cfg, task) for task in cfg.run.bench_tasks}
+    speed = cfg.profile.speed       # the A/A control's probe runs twice a round (stages.speed._control)
+    control = (variants[0].name if speed.control == "auto" else speed.control) if speed.aa and variants else None
     for v in variants:
         kind = weight_kind(v)
         nbytes = sp.artifact_bytes(v)
@@ -149,12 +152,14 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
         add(sp.evaluate(v, reuses_reference=reuses), run / v.name, time_kind(v, "evaluate"), nbytes)
         exact_here = exact_pending and scores_exactness(v, original_weights=v.base == original.base)
         exact_pending &= not exact_here
-        add(sp.score(v, original if exact_here else None), run / f"{v.name}.scores", time_kind(v), nbytes)
+        add(sp.score(v, original if exact_here else None), run / f"{v.name}.scores", time_kind(v), nbytes,
+            builds_exact=exact_here)
         for task, samples in bench_samples.items():
             fp = sp.evaluate(v, reuses_reference=False)
             fp.stage = f"bench:{task}"
             add(fp, bench_dir(cfg, v.name, task), time_kind(v, "evaluate"), nbytes, extra=samples)
-        add(sp.speed(v), None, time_kind(v), nbytes, extra=_probe_ratio(cfg))
+        add(sp.speed(v), None, time_kind(v), nbytes, extra=_probe_ratio(cfg), params=params,
+            labels=2 if v.name == control else 1)
         if v.runtime in cfg.load.runtimes and not v.runtime_options.get("kv_cache"):
             add(sp.load(v), None, time_kind(v), nbytes, load_levels=_load_levels(cfg))
     if baseline_needed and original.runtime != producer.runtime:
@@ -230,8 +235,9 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
     from pipeline.infra.stage_cache import hardware
     import functools
 
-    from pipeline.measure import stage_rates
-    from pipeline.measure.stage_rates import TimeModel, calibration_factor, find_runs, rank_runs
+    from pipeline.measure import measured_runs
+    from pipeline.measure.measured_runs import calibration_factor, find_runs, rank_runs
+    from pipeline.measure.stage_rates import TimeModel
 
     key = hardware().get("cpu_key")
     ranked = rank_runs(find_runs(Path(cfg.paths.results), Path(cfg.paths.artifacts), exclude=exclude_run),
@@ -241,7 +247,7 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
                               "results/smollm2-135m-instruct/quick is one): times not estimated")
         return
     # this machine's bandwidth, measured at most once for all the runs that need it
-    measure = functools.cache(functools.partial(stage_rates.bandwidth_here, cfg.runtime.n_threads))
+    measure = functools.cache(functools.partial(measured_runs.bandwidth_here, cfg.runtime.n_threads))
 
     @functools.cache
     def model(i: int) -> TimeModel:
@@ -254,7 +260,9 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
         return TimeModel(run=run, factor=factor, basis=basis, leave_out=leave_out,
                          plan_budget={s: w["reply_tokens"] for s, w in sp.work.per_suite.items()},
                          plan_work=sp.work.per_suite, plan_params=plan["params"],
-                         plan_vocab=int((plan.get("facts") or {}).get("vocab_size") or 0) or None)
+                         plan_vocab=int((plan.get("facts") or {}).get("vocab_size") or 0) or None,
+                         plan_original_bytes=sp.original_bytes(),
+                         plan_speed=measured_runs.speed_protocol(cfg.profile.speed), others=ranked)
 
     plan["time_basis"] = model(0).basis
     for fp in plan["rows"]:
@@ -267,7 +275,8 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
         for i in range(len(ranked)):
             t, basis = model(i).estimate(fp.stage, name, a["kind"], a["nbytes"], suites=a.get("suites"),
                                          params=a.get("params"), extra=a.get("extra", 1.0),
-                                         load_levels=a.get("load_levels"), source=a.get("source"))
+                                         load_levels=a.get("load_levels"), source=a.get("source"),
+                                         builds_exact=a.get("builds_exact", False), labels=a.get("labels", 1))
             if i == 0 or t is not None:
                 fp.time_s, fp.time_basis = t, basis
             if t is not None:

@@ -33,7 +33,7 @@ def compare_rows(cfg) -> dict:
 
     from pipeline.config.compose import variant_of
     from pipeline.infra.files import read_json
-    from pipeline.measure.stage_rates import find_runs, read_run
+    from pipeline.measure.measured_runs import find_runs, read_run
     from pipeline.stages.plan import build_plan
 
     folder = Path(cfg.plan.measured) if cfg.plan.measured else cfg.results_dir

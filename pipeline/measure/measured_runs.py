@@ -1,0 +1,212 @@
+"""The finished runs the planner takes its times from: each ``summary.json`` under paths.results read into a ``MeasuredRun`` (its stage walls, peaks, speed figures, token work and where
+its time came from), ranked for the planned model, and rescaled to this machine by memory bandwidth (the short
+calibration). The time model on them is ``pipeline.measure.stage_rates``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# what one speed-probe label costs besides its worker's start: warmup + rounds x repeats generations of
+# prompt_tokens read and decode_tokens decoded (summary.speed_protocol; profile.speed, its trials the rounds)
+SPEED_PROTOCOL = ("rounds", "warmup", "repeats", "prompt_tokens", "decode_tokens")
+
+
+def speed_protocol(speed) -> dict:
+    """A profile's speed block (config.schema.SpeedConfig) as the summary records its protocol."""
+    return {"rounds": speed.trials, "warmup": speed.warmup, "repeats": speed.repeats,
+            "prompt_tokens": speed.prompt_tokens, "decode_tokens": speed.decode_tokens}
+
+
+@dataclass
+class MeasuredRun:
+    label: str                      # results/<model>/<run>
+    model: str
+    run: str
+    profile: str
+    suites: list[str]
+    params: int
+    cpu_key: str | None
+    cpu: str
+    bandwidth_bytes_per_s: float | None
+    variants: dict                  # name -> {"bytes", "kind", "runtime", "calibration_tokens"}
+    walls: dict = field(default_factory=dict)      # (stage, key) -> seconds
+    peaks_mb: dict = field(default_factory=dict)   # (stage, key) -> MB measured
+    speed_labels: int = 1
+    load_variants: int = 1
+    load_cells: int = 1             # load levels one variant ran: repeats x depths x concurrency levels
+    reply_budget: dict | None = None                # suite -> budget under its profile (filled by the planner)
+    work: dict | None = None        # suite -> its token counts under the run's profile (filled by the planner)
+    rates: dict = field(default_factory=dict)       # variant -> {"prefill", "decode": tokens/s, "load_s"}
+    scored_tokens: int | None = None                # reply tokens the run scored (its replies' real lengths)
+    vocab: int | None = None
+    source_kind: str | None = None  # what its prepare stage made the original from (prepare.classify_source)
+    bench_samples: dict = field(default_factory=dict)   # (task, variant) -> samples the benchmark stage ran
+    speed_protocol: dict | None = None  # the speed stage's rounds, warmup, repeats and token counts per probe
+    speed_round: list = field(default_factory=list)     # one round's labels (a variant, or its A/A copy)
+    exact_builder: str | None = None
+    wall_cpus: dict = field(default_factory=dict)   # (stage, key) -> the CPU a model-level stage ran on, where known
+
+    def cpu_of(self, stage: str, key: str) -> str | None:
+        """The CPU a stage's wall was measured on: its manifest's, else the run's."""
+        return self.wall_cpus.get((stage, key), self.cpu_key)   # the variant whose scoring built the original's exact rows (the first to use them)
+
+
+def _kind(v: dict) -> str:
+    """The weight kind as the planner names it (stage_plan.time_kind): ggml, original, packed:<method>."""
+    art = v.get("artifact") or {}
+    if art.get("gguf_type"):
+        return "ggml"
+    if art.get("format") in (None, "hf-safetensors"):
+        return "original"
+    return f"packed:{(art.get('quantize_settings') or {}).get('method', art.get('format'))}"
+
+
+def _generated_on_gguf(v: dict) -> bool:
+    """Its replies came from a GGUF file (its own, or the dequantized stand-in's)."""
+    return bool((v.get("artifact") or {}).get("gguf_type")) or "GGUF" in str((v.get("paths") or {}).get("free_running"))
+
+
+def source_kind(source: str) -> str | None:
+    """What the prepare stage did with a run's source (prepare.PREPARE_WORK: a GGUF file dequantized, a folder used
+    in place, a hub id downloaded); None when the source cannot be classified here."""
+    from pipeline.infra.errors import ConfigError
+    from pipeline.stages.prepare import PREPARE_WORK, classify_source
+
+    try:
+        return PREPARE_WORK[classify_source(source)[0]]
+    except ConfigError:           # a file no longer here: its suffix says
+        return PREPARE_WORK["gguf"] if source.lower().endswith(".gguf") else None
+
+
+def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
+    from pipeline.infra.files import read_json
+
+    try:
+        s = read_json(summary_path)
+    except (OSError, ValueError):
+        return None
+    st = s.get("stage_times") or {}
+    if not st or not (s.get("model") or {}).get("params"):
+        return None
+    model, run = s["model"]["name"], s["run"]["name"]
+    variants = {}
+    for name, v in (s.get("variants") or {}).items():
+        if v.get("status") != "ok":
+            continue
+        art = v.get("artifact") or {}
+        cal = (art.get("quantize_settings") or {}).get("calibration") or {}
+        variants[name] = {"bytes": (v.get("memory") or {}).get("artifact_bytes"), "kind": _kind(v),
+                          "generates": "ggml" if _generated_on_gguf(v) else _kind(v),
+                          "runtime": v.get("runtime"), "base": name.split("+", 1)[0],
+                          "options": name.split("+", 1)[1] if "+" in name else "",
+                          "calibration_tokens": (cal.get("samples") or 0) * (cal.get("seq_len") or 0) or None}
+    mr = MeasuredRun(label=f"{summary_path.parent.parent.name}/{summary_path.parent.name}", model=model, run=run,
+                     profile=s["run"].get("profile") or run, suites=list(s["run"].get("suites") or []),
+                     params=int(s["model"]["params"]), cpu_key=(s.get("hardware") or {}).get("cpu_key"),
+                     cpu=(s.get("hardware") or {}).get("cpu") or "?",
+                     bandwidth_bytes_per_s=(s.get("bandwidth") or {}).get("bytes_per_s"), variants=variants,
+                     vocab=(s.get("model") or {}).get("vocab_size"),
+                     source_kind=source_kind((s.get("model") or {}).get("source") or ""))
+    for name in variants:
+        v = s["variants"][name]
+        sp = v.get("speed") or {}
+        if sp.get("prefill_tokens_per_s") and sp.get("decode_tokens_per_s"):
+            mr.rates[name] = {"prefill": sp["prefill_tokens_per_s"], "decode": sp["decode_tokens_per_s"],
+                              "load_s": sp.get("load_s") or 0.0}
+        mr.scored_tokens = mr.scored_tokens or (v.get("drift") or {}).get("scored_tokens")
+        if mr.exact_builder is None and (v.get("drift") or {}).get("kld_stored_exact_ratio") is not None:
+            mr.exact_builder = name       # variants run in the summary's order; the first compared builds them
+        for task, b in (v.get("benchmarks") or {}).items():
+            if b.get("samples"):
+                mr.bench_samples[(task, name)] = b["samples"]
+            if b.get("wall_s") is not None:        # the task's own time, where stage_times has no bench column
+                mr.walls.setdefault((f"bench:{task}", name), b["wall_s"])
+    for suite, sec in (st.get("references_s") or {}).items():
+        mr.walls[("reference", suite)] = sec
+    for name, row in (st.get("variants_s") or {}).items():
+        if row.get("free_running") is not None:
+            mr.walls[("evaluate", name)] = row["free_running"]
+        mr.walls[("score", name)] = (row.get("scoring") or 0) + (row.get("checks") or 0) + (row.get("deployment") or 0)
+        for key in (k for k in row if k.startswith("bench:")):
+            mr.walls[(key, name)] = row[key]
+    order = (s.get("speed_protocol") or {}).get("order") or [[]]
+    mr.speed_labels = max(1, len(order[0]))
+    mr.speed_round = list(order[0])
+    if all((s.get("speed_protocol") or {}).get(k) is not None for k in SPEED_PROTOCOL):
+        mr.speed_protocol = {k: s["speed_protocol"][k] for k in SPEED_PROTOCOL}
+    lc = s.get("load") or {}
+    served = [n for n, v in (lc.get("variants") or {}).items() if v.get("status") == "ok"]
+    mr.load_variants = max(1, len(served))
+    mr.load_cells = max(1, int(lc.get("repeats") or 1) * len(lc.get("depths") or [0])
+                        * len(lc.get("concurrency") or [0]))
+    for stage, key in (("speed", "speed"), ("load", "load")):
+        if (st.get("run_s") or {}).get(key) is not None:
+            mr.walls[(stage, "*")] = st["run_s"][key]
+    for name, v in (s.get("variants") or {}).items():
+        art, mem = v.get("artifact") or {}, v.get("memory") or {}
+        if art.get("quantize_wall_s") is not None:
+            mr.walls[("quantize", name.split("+", 1)[0])] = art["quantize_wall_s"]
+        if art.get("quantize_peak_rss_mb") is not None:
+            mr.peaks_mb[("quantize", name.split("+", 1)[0])] = art["quantize_peak_rss_mb"]
+        if mem.get("peak_rss_mb") is not None:
+            mr.peaks_mb[("speed", name)] = mem["peak_rss_mb"]
+    # every stage's peak host memory (this process and its children), where the run recorded it; a speed
+    # probe's own peak (per variant, above) is the probe process alone
+    for stage, keys in (st.get("peak_host_mb") or {}).items():
+        for key, mb in keys.items():
+            mr.peaks_mb.setdefault((stage, key), mb)
+    # the stages the summary leaves out, from their manifests where the run's artifacts are still on disk
+    from pipeline.measure.stage_folders import model_stage_cpus, stage_walls
+
+    mr.walls.update(stage_walls(Path(artifacts) / model, run, variants))
+    mr.wall_cpus = model_stage_cpus(Path(artifacts) / model, variants)
+    return mr
+
+
+def find_runs(results: Path, artifacts: Path, exclude: str | None = None) -> list[MeasuredRun]:
+    """Every finished run under ``results`` (results/<model>/<run>/summary.json), ``exclude`` (a label) left out."""
+    runs = []
+    for path in sorted(Path(results).glob("*/*/summary.json")):
+        mr = read_run(path, artifacts)
+        if mr and mr.label != exclude:
+            runs.append(mr)
+    return runs
+
+
+def rank_runs(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> list[MeasuredRun]:
+    """The runs best first: the same model's run, then the run whose speed figures cover the most variants, then
+    one on this CPU, then the most stages (a run of a few variants on this CPU predicts the others worse than a
+    complete one from another CPU rescaled by bandwidth)."""
+    def rank(r: MeasuredRun):
+        return (r.model == model, len(r.rates), r.cpu_key == cpu_key and cpu_key is not None, len(r.walls))
+
+    return sorted(runs, key=rank, reverse=True)
+
+
+def choose_run(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> MeasuredRun | None:
+    """The best run to take times from (``rank_runs``)."""
+    ranked = rank_runs(runs, model, cpu_key)
+    return ranked[0] if ranked else None
+
+
+def bandwidth_here(threads: int) -> float:
+    """This machine's memory bandwidth in bytes/s, measured now in about a second (the short calibration)."""
+    from pipeline.measure.bandwidth import measure_bandwidth
+
+    return measure_bandwidth("cpu", mib=128, repeats=3, threads=threads)["bytes_per_s"]
+
+
+def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measure=None,
+                       recorded_here: float | None = None) -> tuple[float, str]:
+    """(multiplier, what it rests on): 1 on the run's own CPU; else the run's bandwidth / this machine's, measured
+    now, or ``recorded_here`` (bytes/s this machine recorded earlier: a compared run's own reading)."""
+    if mr.cpu_key and mr.cpu_key == cpu_key:
+        return 1.0, f"measured here ({mr.label}, same CPU key {cpu_key})"
+    if not mr.bandwidth_bytes_per_s:
+        return 1.0, f"measured on another CPU ({mr.label}: {mr.cpu}), not rescaled (it recorded no bandwidth)"
+    here = recorded_here or (measure() if measure is not None else bandwidth_here(threads))
+    factor = mr.bandwidth_bytes_per_s / here
+    return factor, (f"calibration: {mr.label} ({mr.cpu}, {mr.bandwidth_bytes_per_s / 1e9:.1f} GB/s) rescaled by "
+                    f"this machine's bandwidth {'as the compared run recorded it' if recorded_here else 'measured now'} "
+                    f"({here / 1e9:.1f} GB/s)")
