@@ -391,3 +391,71 @@ def test_runs_of_other_vocabularies_or_cpus_are_no_second_size():
     same = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, others=[
         _component_run(label="tiny/smoke", params=10_000_000, walls={("convert_f16", "-"): 6.0})])
     assert same.estimate("convert_f16", "-", "ggml", 1e9, params=1_000_000_000)[0] < 100.0
+
+
+def test_a_stage_built_inside_another_is_not_counted_twice():
+    """The first GGUF quantization builds the F16 conversion inside it: its own seconds are its wall less the
+    conversion's; a stage inside one that is itself inside is taken off once; stages side by side keep theirs."""
+    from pipeline.measure.stage_folders import own_seconds
+
+    spans = {"quantize": (0.0, 53.0), "convert": (1.0, 42.0), "tokenizer": (2.0, 5.0), "parity": (53.5, 100.0)}
+    own = own_seconds(spans)
+    assert own == pytest.approx({"quantize": 12.0, "convert": 38.0, "tokenizer": 3.0, "parity": 46.5})
+
+
+def test_parity_and_the_conversion_carry_by_their_components():
+    """Parity: both runtimes' loads and the parity tokens read by each at the planned size, the rest grown with the
+    vocabulary; the conversion: a Python worker's start (the speed stage's) and the rest grown with the
+    parameters."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    run = _component_run(walls={("parity", "-"): 20.0, ("convert_f16", "-"): 12.0, ("speed", "*"): 100.0,
+                                ("score", "q8"): 50.0},
+                         speed_round=["q8", "q8#A/A"], parity_tokens=500,
+                         speed_protocol={"rounds": 10, "warmup": 1, "repeats": 1, "prompt_tokens": 100,
+                                         "decode_tokens": 50})
+    run.variants["gguf_f16"] = {"bytes": 200e6, "kind": "ggml"}
+    run.variants["original"] = {"bytes": 400e6, "kind": "original"}
+    run.rates["gguf_f16"] = {"prefill": 1000.0, "decode": 40.0, "load_s": 1.0}
+    run.rates["original"] = {"prefill": 500.0, "decode": 20.0, "load_s": 3.0}
+    tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, plan_params=run.params, plan_vocab=2 * run.vocab,
+                   plan_original_bytes=400e6, plan_parity_tokens=500)
+    measured = 1.0 + 3.0 + 500 / 1000 + 500 / 500          # loads + tokens: 5.5 s, the rest 14.5 s
+    t, basis = tm.estimate("parity", "-", "original", 400e6, params=run.params, f16_bytes=200e6)
+    assert t == pytest.approx(measured + 14.5 * 2) and "by component" in basis
+    start = (100.0 - 2 * (1.0 + 11 * (100 / 1000 + 50 / 50))) / 2     # the speed stage's worker start: 38.9 s
+    small = _component_run(walls={("convert_f16", "-"): 60.0, ("speed", "*"): 100.0, ("score", "q8"): 50.0},
+                           speed_round=["q8", "q8#A/A"], speed_protocol=run.speed_protocol)
+    tm = TimeModel(run=small, factor=1.0, basis="", plan_budget={})
+    t, basis = tm.estimate("convert_f16", "-", "ggml", 1e9, params=10 * small.params)
+    assert t == pytest.approx(start + (60.0 - start) * 10) and "worker's start" in basis
+
+
+def test_a_torch_runtime_s_prefill_gains_the_measured_matmul_rate_at_the_planned_width():
+    """A transformers variant's planned prefill is divided by torch's matmul-rate gain at the planned width (the
+    measured size is left as measured); a llama.cpp variant's is not; the gain is measured once, when needed."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    run = _component_run()
+    run.variants["original"] = {"bytes": 400e6, "kind": "original", "runtime": "hf"}
+    run.variants["q8"]["runtime"] = "llamacpp"
+    run.rates["original"] = {"prefill": 500.0, "decode": 20.0, "load_s": 3.0}
+    calls = []
+
+    def gain():
+        calls.append(1)
+        return 2.0
+
+    tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, width_gain=gain)
+    assert tm._rates("q8", 900e6, 900_000_000, planned=True)["prefill"] == pytest.approx(9 / 1000.0) and not calls
+    assert tm._rates("original", 400e6, run.params)["prefill"] == pytest.approx(1 / 500.0) and not calls
+    assert tm._rates("original", 4e9, 10 * run.params, planned=True)["prefill"] == pytest.approx(10 / 500.0 / 2)
+    tm._rates("original", 4e9, 10 * run.params, planned=True)
+    assert calls == [1]
+
+
+def test_the_matmul_calibration_measures_every_width_it_is_given():
+    from pipeline.measure.measured_runs import matmul_rate
+
+    rates = matmul_rate((64, 128), threads=1, tokens=16, rounds=1)
+    assert set(rates) == {64, 128} and all(r > 0 for r in rates.values())

@@ -64,15 +64,48 @@ def stage_folders(model_dir: Path, run_name: str, names, suites=(), bench_tasks=
     return folders
 
 
-def stage_walls(model_dir: Path, run_name: str, names) -> dict[tuple, float]:
-    """The seconds of the stages a run's summary leaves out (prepare, the F16 conversion, parity, the dequantized
-    stand-ins, the original's own free-running baseline), from their manifests where they are on disk."""
+MODEL_STAGES = ("prepare", "convert_f16", "parity", "quantize", "standin")
+
+
+def _interval(folder: Path) -> tuple[float, float] | None:
+    """(start, end) of a stage in Unix seconds, from its manifest (written when the stage ended)."""
+    m = load_manifest(folder)
+    if not m or m.get("wall_s") is None or not m.get("created_unix"):
+        return None
+    return float(m["created_unix"]) - float(m["wall_s"]), float(m["created_unix"])
+
+
+def own_seconds(intervals: dict) -> dict:
+    """Each stage's seconds less those of the stages built inside it (the first GGUF quantization builds the F16
+    conversion it reads; a stage asks for what it needs, and a missing one is built then): only the outermost of
+    the stages inside are taken off, so nothing is taken off twice."""
+    def inside(a, b) -> bool:       # a within b, and not b itself
+        return a != b and b[0] <= a[0] and a[1] <= b[1]
+
     out = {}
+    for key, span in intervals.items():
+        inner = [s for k, s in intervals.items() if k != key and inside(s, span)]
+        outer = [s for s in inner if not any(inside(s, o) for o in inner)]
+        out[key] = max(0.0, span[1] - span[0] - sum(e - s for s, e in outer))
+    return out
+
+
+def stage_walls(model_dir: Path, run_name: str, names) -> dict[tuple, float]:
+    """The seconds of the stages a run's summary leaves out or holds with others inside (prepare, the F16
+    conversion, parity, each quantization, the dequantized stand-ins, the original's own free-running baseline),
+    from their manifests where they are on disk: a model-level stage's own seconds (``own_seconds``)."""
+    out, spans = {}, {}
     for (stage, key), paths in stage_folders(model_dir, run_name, names).items():
-        if stage in ("prepare", "convert_f16", "parity", "standin", "baseline"):
+        if stage in MODEL_STAGES:
+            for folder in paths:
+                if (span := _interval(folder)) is not None:
+                    spans[(stage, key, folder.name)] = span
+        elif stage == "baseline":
             walls = [w for w in (wall_of(f) for f in paths) if w is not None]
             if walls:
                 out[(stage, key)] = sum(walls)
+    for (stage, key, _), seconds in own_seconds(spans).items():
+        out[(stage, key)] = out.get((stage, key), 0.0) + seconds
     return out
 
 

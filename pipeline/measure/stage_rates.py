@@ -35,6 +35,10 @@ class TimeModel:
     plan_vocab: int | None = None
     plan_original_bytes: float | None = None
     plan_speed: dict | None = None        # the planned run's speed protocol (``speed_protocol``)
+    plan_parity_tokens: int | None = None  # reference.parity_tokens of the planned run
+    # torch's matmul rate at the planned width over the measured one's: a number, or a function measuring it (called
+    # once, the first time a torch runtime's prefill is planned: ``measured_runs.matmul_rate``)
+    width_gain: object = 1.0
     others: list = field(default_factory=list)   # the other measured runs (a second size for one-off stages)
 
     def _fill(self) -> float:
@@ -42,13 +46,14 @@ class TimeModel:
         budget = sum((self.run.reply_budget or {}).values())
         return min(1.0, self.run.scored_tokens / budget) if budget and self.run.scored_tokens else 1.0
 
-    def _rates(self, measured: str, nbytes: float, params: float) -> dict | None:
+    def _rates(self, measured: str, nbytes: float, params: float, planned: bool = False) -> dict | None:
         """Seconds per prefill token, per decoded token and to load, for a variant of ``nbytes`` bytes and
         ``params`` parameters, from the measured variant's speed figures: prefill is compute (per token it grows
         with the parameters); a decoded token reads every weight once (bytes over the run's measured bandwidth) on
         top of a fixed cost per token (the measured time per token less that read, which dominates a small model);
         loading is the measured load (mostly fixed costs on a small model: the runtime's start, a transformers
-        model's construction) plus one pass over the added bytes."""
+        model's construction) plus one pass over the added bytes. ``planned``: at the planned model's width (a
+        runtime on torch's kernels gains ``width_gain`` in prefill)."""
         r, v = self.run.rates.get(measured), self.run.variants.get(measured) or {}
         if not r or not v.get("bytes"):
             return None
@@ -59,7 +64,15 @@ class TimeModel:
             load += max(0.0, nbytes - mbytes) / bw
         else:
             per_token *= nbytes / mbytes
-        return {"prefill": params / self.run.params / r["prefill"], "decode": per_token, "load": load}
+        prefill = params / self.run.params / r["prefill"]
+        if planned and v.get("runtime") and self.width_gain != 1.0:
+            from pipeline.runtimes import runtime_class
+
+            if runtime_class(v["runtime"]).torch_kernels:     # wider matrices run nearer the CPU's peak
+                if callable(self.width_gain):
+                    self.width_gain = self.width_gain()
+                prefill /= self.width_gain
+        return {"prefill": prefill, "decode": per_token, "load": load}
 
     def _two_sizes(self, stage: str, key: str, wall: float, params: int) -> tuple[float, str] | None:
         """A one-off stage (a conversion, the parity check, a quantization) at ``params`` from a fixed part and a
@@ -116,23 +129,53 @@ class TimeModel:
         model load and generations at the planned size, plus each label's share of what the measured stage's wall
         leaves after its own labels' components (a probe worker's start: the interpreter, the runtime's imports,
         the CPU checks). None without the measured run's protocol or speed figures."""
+        run, start = self.run, self._worker_start()
+        if start is None or not self.plan_speed:
+            return None
+        ref = self._match("score", name, kind, nbytes)
+        if not ref or ref[0] not in run.rates:
+            return None
+        rates = self._rates(ref[0], nbytes, params or self.plan_params or run.params, planned=True)
+        t = labels * (start + self._probe_cost(rates, self.plan_speed))
+        via = "" if ref[0] == name else f" via {ref[0]}"
+        return t, (f"{run.label}{via} by component ({labels} label{'s' * (labels > 1)}: a worker's start "
+                   f"{start:.1f} s + its load and probes)")
+
+    def _worker_start(self) -> float | None:
+        """A Python worker's start with the runtimes' imports (the interpreter, torch or llama.cpp, the CPU checks),
+        as the measured speed stage gives it: its wall less its labels' loads and generations, per label. None
+        without the measured run's protocol or speed figures."""
         run = self.run
-        if not (run.speed_protocol and self.plan_speed and run.speed_round and ("speed", "*") in run.walls):
+        if not (run.speed_protocol and run.speed_round and ("speed", "*") in run.walls):
             return None
         measured = [label.split("#", 1)[0] for label in run.speed_round]
         if any(v not in run.rates or not run.variants[v].get("bytes") for v in measured):
             return None
         costs = [self._probe_cost(self._rates(v, run.variants[v]["bytes"], run.params), run.speed_protocol)
                  for v in measured]
-        start = max(0.0, run.walls[("speed", "*")] - sum(costs)) / len(costs)
-        ref = self._match("score", name, kind, nbytes)
-        if not ref or ref[0] not in run.rates:
+        return max(0.0, run.walls[("speed", "*")] - sum(costs)) / len(costs)
+
+    def _parity(self, wall: float, params: int, f16_bytes: float | None) -> tuple[float, str] | None:
+        """The parity check by component (stages.reference.check_parity): the F16 file and the original loaded one
+        after the other, the same parity tokens read by both, and the rest (the vocabulary loaded in a child, the
+        suites' texts tokenized twice, the rows compared) grown with the vocabulary and the tokens. None without
+        both runtimes' speed figures."""
+        run, names = self.run, ("gguf_f16", "original")
+        if not (f16_bytes and self.plan_original_bytes and self.plan_vocab and run.vocab and run.parity_tokens
+                and all(n in run.rates and run.variants[n].get("bytes") for n in names)):
             return None
-        rates = self._rates(ref[0], nbytes, params or self.plan_params or run.params)
-        t = labels * (start + self._probe_cost(rates, self.plan_speed))
-        via = "" if ref[0] == name else f" via {ref[0]}"
-        return t, (f"{run.label}{via} by component ({labels} label{'s' * (labels > 1)}: a worker's start "
-                   f"{start:.1f} s + its load and probes)")
+        tokens = self.plan_parity_tokens or run.parity_tokens
+        sizes = {"gguf_f16": f16_bytes, "original": self.plan_original_bytes}
+
+        def cost(rates: dict, n: int) -> float:
+            return sum(r["load"] + n * r["prefill"] for r in rates.values())
+
+        measured = cost({n: self._rates(n, run.variants[n]["bytes"], run.params) for n in names}, run.parity_tokens)
+        planned = cost({n: self._rates(n, sizes[n], params, planned=True) for n in names}, tokens)
+        rest = max(0.0, wall - measured)
+        t = planned + rest * self.plan_vocab / run.vocab * tokens / run.parity_tokens
+        return t, (f"{run.label} by component (both runtimes' loads and {tokens} tokens each; the rest, "
+                   f"{rest:.1f} s, x{self.plan_vocab / run.vocab:.2g} with the vocabulary)")
 
     @staticmethod
     def _rows_cost(original_rates: dict | None, work: dict, fill: float) -> float:
@@ -148,7 +191,7 @@ class TimeModel:
         run = self.run
         mbytes = (run.variants.get(measured) or {}).get("bytes") or 0
         return (self._rates(measured, mbytes, run.params),
-                self._rates(measured, nbytes, params or self.plan_params or run.params))
+                self._rates(measured, nbytes, params or self.plan_params or run.params, planned=True))
 
     def _cost(self, stage: str, rates: dict, work: dict, vocab: float, fill: float, per_row: float) -> float:
         """A stage's seconds by component: loading, prompt tokens read (each text once: the history's prefix is
@@ -227,8 +270,8 @@ class TimeModel:
 
     def estimate(self, stage: str, name: str, kind: str, nbytes: float, suites: list[str] | None = None,
                  params: int | None = None, extra: float = 1.0, load_levels: tuple[int, float] | None = None,
-                 source: str | None = None, builds_exact: bool = False,
-                 labels: int = 1) -> tuple[float | None, str]:
+                 source: str | None = None, builds_exact: bool = False, labels: int = 1,
+                 f16_bytes: float | None = None) -> tuple[float | None, str]:
         """(seconds, basis) of ``stage`` for the planned variant ``name``. ``load_levels``: the planned load sweep's
         levels per variant and the seconds one level may last (load.max_seconds_per_level): a level's measured time
         scales with the bytes up to that cap, then the levels add up."""
@@ -248,6 +291,13 @@ class TimeModel:
                     return t * self.factor, f"{run.label} by component (original's speeds)"
             if stage != "baseline" and params and (fit := self._two_sizes(stage, keyed[0][0], walls[0], params)):
                 return fit[0] * self.factor, fit[1]
+            if stage == "parity" and params and (by := self._parity(walls[0], params, f16_bytes)) is not None:
+                return by[0] * self.factor, by[1]
+            if stage == "convert_f16" and params and (start := self._worker_start()) is not None and walls[0] > start:
+                # the converter is a Python process importing torch and gguf-py: a worker's start, then its tensors
+                ratio = params / run.params
+                return ((start + (walls[0] - start) * ratio) * self.factor,
+                        f"{run.label}: a Python worker's start ({start:.1f} s, its speed stage's) + the rest x{ratio:.2g} (params)")
             if stage == "prepare" and source == "used in place":     # its facts written, the weights not read
                 return walls[0] * self.factor, f"{run.label} x1 (a folder used in place: not its size)"
             ratio = (params or run.params) / run.params * (self._tokens() if stage == "baseline" else 1.0)
