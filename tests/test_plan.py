@@ -430,32 +430,3 @@ def test_parity_and_the_conversion_carry_by_their_components():
     t, basis = tm.estimate("convert_f16", "-", "ggml", 1e9, params=10 * small.params)
     assert t == pytest.approx(start + (60.0 - start) * 10) and "worker's start" in basis
 
-
-def test_a_torch_runtime_s_prefill_gains_the_measured_matmul_rate_at_the_planned_width():
-    """A transformers variant's planned prefill is divided by torch's matmul-rate gain at the planned width (the
-    measured size is left as measured); a llama.cpp variant's is not; the gain is measured once, when needed."""
-    from pipeline.measure.stage_rates import TimeModel
-
-    run = _component_run()
-    run.variants["original"] = {"bytes": 400e6, "kind": "original", "runtime": "hf"}
-    run.variants["q8"]["runtime"] = "llamacpp"
-    run.rates["original"] = {"prefill": 500.0, "decode": 20.0, "load_s": 3.0}
-    calls = []
-
-    def gain():
-        calls.append(1)
-        return 2.0
-
-    tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, width_gain=gain)
-    assert tm._rates("q8", 900e6, 900_000_000, planned=True)["prefill"] == pytest.approx(9 / 1000.0) and not calls
-    assert tm._rates("original", 400e6, run.params)["prefill"] == pytest.approx(1 / 500.0) and not calls
-    assert tm._rates("original", 4e9, 10 * run.params, planned=True)["prefill"] == pytest.approx(10 / 500.0 / 2)
-    tm._rates("original", 4e9, 10 * run.params, planned=True)
-    assert calls == [1]
-
-
-def test_the_matmul_calibration_measures_every_width_it_is_given():
-    from pipeline.measure.measured_runs import matmul_rate
-
-    rates = matmul_rate((64, 128), threads=1, tokens=16, rounds=1)
-    assert set(rates) == {64, 128} and all(r > 0 for r in rates.values())

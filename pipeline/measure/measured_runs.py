@@ -45,7 +45,6 @@ class MeasuredRun:
     speed_protocol: dict | None = None  # the speed stage's rounds, warmup, repeats and token counts per probe
     speed_round: list = field(default_factory=list)     # one round's labels (a variant, or its A/A copy)
     exact_builder: str | None = None
-    hidden: int | None = None           # the model's hidden size (its matrices' width)
     parity_tokens: int | None = None    # the tokens its parity check read (summary.reference.parity.tokens)
     wall_cpus: dict = field(default_factory=dict)   # (stage, key) -> the CPU a model-level stage ran on, where known
 
@@ -108,7 +107,7 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
                      params=int(s["model"]["params"]), cpu_key=(s.get("hardware") or {}).get("cpu_key"),
                      cpu=(s.get("hardware") or {}).get("cpu") or "?",
                      bandwidth_bytes_per_s=(s.get("bandwidth") or {}).get("bytes_per_s"), variants=variants,
-                     vocab=(s.get("model") or {}).get("vocab_size"), hidden=(s.get("model") or {}).get("hidden_size"),
+                     vocab=(s.get("model") or {}).get("vocab_size"),
                      source_kind=source_kind((s.get("model") or {}).get("source") or ""))
     for name in variants:
         v = s["variants"][name]
@@ -198,30 +197,6 @@ def bandwidth_here(threads: int) -> float:
     from pipeline.measure.bandwidth import measure_bandwidth
 
     return measure_bandwidth("cpu", mib=128, repeats=3, threads=threads)["bytes_per_s"]
-
-
-def matmul_rate(widths: tuple[int, ...], threads: int, tokens: int = 256, rounds: int = 3) -> dict[int, float]:
-    """torch's float32 matrix-product rate on this CPU (FLOP/s) at each hidden width: a (tokens x width) by
-    (width x 4 width) product, an MLP's shape, the widths interleaved over ``rounds`` and the best round kept (the
-    least disturbed by other work). On a 2-core EPYC it rose from 28-42 GFLOP/s at width 576 to 66-71 at 2048:
-    a prefill token of a wide model costs less per parameter than a narrow one's. About a second."""
-    import time
-
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        mats = {w: (torch.randn(tokens, w), torch.randn(w, 4 * w)) for w in widths}
-        best = {w: 0.0 for w in widths}
-        for _ in range(rounds + 1):          # the first round warms up
-            for w, (a, b) in mats.items():
-                start = time.perf_counter()
-                a @ b
-                best[w] = max(best[w], 2 * tokens * w * 4 * w / max(time.perf_counter() - start, 1e-9))
-        return best
-    finally:
-        torch.set_num_threads(before)
 
 
 def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measure=None,

@@ -36,9 +36,6 @@ class TimeModel:
     plan_original_bytes: float | None = None
     plan_speed: dict | None = None        # the planned run's speed protocol (``speed_protocol``)
     plan_parity_tokens: int | None = None  # reference.parity_tokens of the planned run
-    # torch's matmul rate at the planned width over the measured one's: a number, or a function measuring it (called
-    # once, the first time a torch runtime's prefill is planned: ``measured_runs.matmul_rate``)
-    width_gain: object = 1.0
     others: list = field(default_factory=list)   # the other measured runs (a second size for one-off stages)
 
     def _fill(self) -> float:
@@ -46,14 +43,13 @@ class TimeModel:
         budget = sum((self.run.reply_budget or {}).values())
         return min(1.0, self.run.scored_tokens / budget) if budget and self.run.scored_tokens else 1.0
 
-    def _rates(self, measured: str, nbytes: float, params: float, planned: bool = False) -> dict | None:
+    def _rates(self, measured: str, nbytes: float, params: float) -> dict | None:
         """Seconds per prefill token, per decoded token and to load, for a variant of ``nbytes`` bytes and
         ``params`` parameters, from the measured variant's speed figures: prefill is compute (per token it grows
         with the parameters); a decoded token reads every weight once (bytes over the run's measured bandwidth) on
         top of a fixed cost per token (the measured time per token less that read, which dominates a small model);
         loading is the measured load (mostly fixed costs on a small model: the runtime's start, a transformers
-        model's construction) plus one pass over the added bytes. ``planned``: at the planned model's width (a
-        runtime on torch's kernels gains ``width_gain`` in prefill)."""
+        model's construction) plus one pass over the added bytes."""
         r, v = self.run.rates.get(measured), self.run.variants.get(measured) or {}
         if not r or not v.get("bytes"):
             return None
@@ -64,15 +60,7 @@ class TimeModel:
             load += max(0.0, nbytes - mbytes) / bw
         else:
             per_token *= nbytes / mbytes
-        prefill = params / self.run.params / r["prefill"]
-        if planned and v.get("runtime") and self.width_gain != 1.0:
-            from pipeline.runtimes import runtime_class
-
-            if runtime_class(v["runtime"]).torch_kernels:     # wider matrices run nearer the CPU's peak
-                if callable(self.width_gain):
-                    self.width_gain = self.width_gain()
-                prefill /= self.width_gain
-        return {"prefill": prefill, "decode": per_token, "load": load}
+        return {"prefill": params / self.run.params / r["prefill"], "decode": per_token, "load": load}
 
     def _two_sizes(self, stage: str, key: str, wall: float, params: int) -> tuple[float, str] | None:
         """A one-off stage (a conversion, the parity check, a quantization) at ``params`` from a fixed part and a
@@ -135,7 +123,7 @@ class TimeModel:
         ref = self._match("score", name, kind, nbytes)
         if not ref or ref[0] not in run.rates:
             return None
-        rates = self._rates(ref[0], nbytes, params or self.plan_params or run.params, planned=True)
+        rates = self._rates(ref[0], nbytes, params or self.plan_params or run.params)
         t = labels * (start + self._probe_cost(rates, self.plan_speed))
         via = "" if ref[0] == name else f" via {ref[0]}"
         return t, (f"{run.label}{via} by component ({labels} label{'s' * (labels > 1)}: a worker's start "
@@ -171,7 +159,7 @@ class TimeModel:
             return sum(r["load"] + n * r["prefill"] for r in rates.values())
 
         measured = cost({n: self._rates(n, run.variants[n]["bytes"], run.params) for n in names}, run.parity_tokens)
-        planned = cost({n: self._rates(n, sizes[n], params, planned=True) for n in names}, tokens)
+        planned = cost({n: self._rates(n, sizes[n], params) for n in names}, tokens)
         rest = max(0.0, wall - measured)
         t = planned + rest * self.plan_vocab / run.vocab * tokens / run.parity_tokens
         return t, (f"{run.label} by component (both runtimes' loads and {tokens} tokens each; the rest, "
@@ -191,7 +179,7 @@ class TimeModel:
         run = self.run
         mbytes = (run.variants.get(measured) or {}).get("bytes") or 0
         return (self._rates(measured, mbytes, run.params),
-                self._rates(measured, nbytes, params or self.plan_params or run.params, planned=True))
+                self._rates(measured, nbytes, params or self.plan_params or run.params))
 
     def _cost(self, stage: str, rates: dict, work: dict, vocab: float, fill: float, per_row: float) -> float:
         """A stage's seconds by component: loading, prompt tokens read (each text once: the history's prefix is

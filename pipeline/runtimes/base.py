@@ -185,9 +185,6 @@ class Runtime(abc.ABC):
     # True when the runtime has a tokenizer of its own that a server built on it applies to chat text (llama.cpp's
     # GGUF vocabulary); then ``tokenize_served``/``detokenize_served`` exist and the deployment path is measured.
     own_tokenizer: bool = False
-    # True when its matrix products are torch's on the CPU: the planner carries its prefill rate from one model's
-    # width to another's by torch's measured matmul rate at both (pipeline.measure.measured_runs.matmul_rate)
-    torch_kernels: bool = False
     # how the next token is picked (``TokenChoice``): runtimes set it from ``runtime.repeat_*`` when they load
     choice: TokenChoice = TokenChoice()
 

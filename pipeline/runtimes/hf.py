@@ -91,7 +91,6 @@ class HFSettings:
 class HFRuntime(FullLogitsRuntime):
     name = "hf"
     Settings = HFSettings
-    torch_kernels = True
     # transformers 5's latent attention (DeepSeek V2/V3 and the models built on it) caches the compressed latent
     # and the rotary key per token (its cache.update(k_nope, k_pe)), not per-head keys and values
     latent_kv_cache = True

@@ -251,19 +251,6 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
     measure = functools.cache(functools.partial(measured_runs.bandwidth_here, cfg.runtime.n_threads))
 
     @functools.cache
-    def width_gain(measured_width: int | None) -> float:
-        """torch's matmul rate on this CPU at the planned model's width over the measured model's (1 when either
-        is unknown or they are equal), recorded in the plan."""
-        planned_width = int((plan.get("facts") or {}).get("hidden_size") or 0)
-        if not measured_width or not planned_width or measured_width == planned_width:
-            return 1.0
-        rates = measured_runs.matmul_rate((measured_width, planned_width), cfg.runtime.n_threads)
-        gain = rates[planned_width] / rates[measured_width]
-        plan.setdefault("width_gain", {})[f"{measured_width}->{planned_width}"] = {
-            "measured_width_flops": rates[measured_width], "planned_width_flops": rates[planned_width], "gain": gain}
-        return gain
-
-    @functools.cache
     def model(i: int) -> TimeModel:
         """The time model on the i-th best run."""
         run = ranked[i]
@@ -277,8 +264,7 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
                          plan_vocab=int((plan.get("facts") or {}).get("vocab_size") or 0) or None,
                          plan_original_bytes=sp.original_bytes(),
                          plan_speed=measured_runs.speed_protocol(cfg.profile.speed), others=ranked,
-                         plan_parity_tokens=cfg.reference.parity_tokens,
-                         width_gain=functools.partial(width_gain, run.hidden) if not sp.on_device else 1.0)
+                         plan_parity_tokens=cfg.reference.parity_tokens)
 
     plan["time_basis"] = model(0).basis
     for fp in plan["rows"]:
@@ -298,10 +284,6 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
                 fp.time_s, fp.time_basis = t, basis
             if t is not None:
                 break
-    for widths, g in (plan.get("width_gain") or {}).items():
-        plan["time_basis"] += (f"; transformers' prefill carried from width {widths.replace('->', ' to ')} by torch's "
-                               f"matmul rate measured here ({g['measured_width_flops'] / 1e9:.0f} and "
-                               f"{g['planned_width_flops'] / 1e9:.0f} GFLOP/s: x{g['gain']:.2f})")
 
 
 def measured_work(cfg, mr) -> dict:
