@@ -1,6 +1,7 @@
-"""The finished runs the planner takes its times from: each ``summary.json`` under paths.results read into a ``MeasuredRun`` (its stage walls, peaks, speed figures, token work and where
-its time came from), ranked for the planned model, and rescaled to this machine by memory bandwidth (the short
-calibration). The time model on them is ``pipeline.measure.stage_rates``."""
+"""The finished runs the planner takes its times from: each ``summary.json`` under paths.results read into a
+``MeasuredRun`` (its stage walls, peaks, speed figures, token work and where each wall was measured), ranked for
+the planned model, and rescaled to this machine by memory bandwidth (the short calibration). The time model on
+them is ``pipeline.measure.stage_rates``."""
 
 from __future__ import annotations
 
@@ -44,13 +45,13 @@ class MeasuredRun:
     bench_samples: dict = field(default_factory=dict)   # (task, variant) -> samples the benchmark stage ran
     speed_protocol: dict | None = None  # the speed stage's rounds, warmup, repeats and token counts per probe
     speed_round: list = field(default_factory=list)     # one round's labels (a variant, or its A/A copy)
-    exact_builder: str | None = None
+    exact_builder: str | None = None   # the variant whose scoring built the original's exact rows (the first compared)
     parity_tokens: int | None = None    # the tokens its parity check read (summary.reference.parity.tokens)
     wall_cpus: dict = field(default_factory=dict)   # (stage, key) -> the CPU a model-level stage ran on, where known
 
     def cpu_of(self, stage: str, key: str) -> str | None:
         """The CPU a stage's wall was measured on: its manifest's, else the run's."""
-        return self.wall_cpus.get((stage, key), self.cpu_key)   # the variant whose scoring built the original's exact rows (the first to use them)
+        return self.wall_cpus.get((stage, key), self.cpu_key)
 
 
 def _kind(v: dict) -> str:
@@ -100,7 +101,6 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
         variants[name] = {"bytes": (v.get("memory") or {}).get("artifact_bytes"), "kind": _kind(v),
                           "generates": "ggml" if _generated_on_gguf(v) else _kind(v),
                           "runtime": v.get("runtime"), "base": name.split("+", 1)[0],
-                          "options": name.split("+", 1)[1] if "+" in name else "",
                           "calibration_tokens": (cal.get("samples") or 0) * (cal.get("seq_len") or 0) or None}
     mr = MeasuredRun(label=f"{summary_path.parent.parent.name}/{summary_path.parent.name}", model=model, run=run,
                      profile=s["run"].get("profile") or run, suites=list(s["run"].get("suites") or []),

@@ -1,6 +1,6 @@
 """Each stage's time, from earlier measured runs scaled to the planned one, or with a short calibration.
 
-A measured run is a ``summary.json`` under paths.results (its stage times:
+A measured run (``pipeline.measure.measured_runs``) is a ``summary.json`` under paths.results (its stage times:
 references per suite, per variant free-running and scoring, the run's speed and load stages, each artifact's
 quantization) plus, where its artifacts are still on disk, the stage manifests the summary does not carry (prepare,
 the F16 conversion, parity, the dequantized stand-ins, the original's own free-running baseline). A planned stage
@@ -285,7 +285,8 @@ class TimeModel:
                 # the converter is a Python process importing torch and gguf-py: a worker's start, then its tensors
                 ratio = params / run.params
                 return ((start + (walls[0] - start) * ratio) * self.factor,
-                        f"{run.label}: a Python worker's start ({start:.1f} s, its speed stage's) + the rest x{ratio:.2g} (params)")
+                        f"{run.label}: a Python worker's start ({start:.1f} s, its speed stage's) + the rest "
+                        f"x{ratio:.2g} (params)")
             if stage == "prepare" and source == "used in place":     # its facts written, the weights not read
                 return walls[0] * self.factor, f"{run.label} x1 (a folder used in place: not its size)"
             ratio = (params or run.params) / run.params * (self._tokens() if stage == "baseline" else 1.0)
