@@ -33,7 +33,6 @@ class MeasuredRun:
     variants: dict                  # name -> {"bytes", "kind", "runtime", "calibration_tokens"}
     walls: dict = field(default_factory=dict)      # (stage, key) -> seconds
     peaks_mb: dict = field(default_factory=dict)   # (stage, key) -> MB measured
-    speed_labels: int = 1
     load_variants: int = 1
     load_cells: int = 1             # load levels one variant ran: repeats x depths x concurrency levels
     reply_budget: dict | None = None                # suite -> budget under its profile (filled by the planner)
@@ -48,6 +47,11 @@ class MeasuredRun:
     exact_builder: str | None = None   # the variant whose scoring built the original's exact rows (the first compared)
     parity_tokens: int | None = None    # the tokens its parity check read (summary.reference.parity.tokens)
     wall_cpus: dict = field(default_factory=dict)   # (stage, key) -> the CPU a model-level stage ran on, where known
+
+    @property
+    def speed_labels(self) -> int:
+        """Probe labels a round of its speed stage measured (the variants and the A/A copy)."""
+        return max(1, len(self.speed_round))
 
     def cpu_of(self, stage: str, key: str) -> str | None:
         """The CPU a stage's wall was measured on: its manifest's, else the run's."""
@@ -133,7 +137,6 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
             mr.walls[(key, name)] = row[key]
     mr.parity_tokens = ((s.get("reference") or {}).get("parity") or {}).get("tokens")
     order = (s.get("speed_protocol") or {}).get("order") or [[]]
-    mr.speed_labels = max(1, len(order[0]))
     mr.speed_round = list(order[0])
     if all((s.get("speed_protocol") or {}).get(k) is not None for k in SPEED_PROTOCOL):
         mr.speed_protocol = {k: s["speed_protocol"][k] for k in SPEED_PROTOCOL}

@@ -97,12 +97,17 @@ class TimeModel:
                 and (self.run.variants.get(n) or {}).get("runtime") == v.get("runtime")]
         return min(same or [self.run.rates[measured]["load_s"]])
 
+    @staticmethod
+    def _read(rates: dict, tokens: float) -> float:
+        """A runtime loaded, then ``tokens`` read in one teacher-forced pass."""
+        return rates["load"] + tokens * rates["prefill"]
+
     def _exact_cost(self, original_rates: dict | None, work: dict) -> float:
         """Building the original's exact rows (stages.score.exact_sample_logprobs), once per suite by the first
         variant compared with them: the original loaded on its runtime and its longest transcript read."""
         if not original_rates:
             return 0.0
-        return sum(original_rates["load"] + w["context_tokens"] * original_rates["prefill"] for w in work.values())
+        return sum(self._read(original_rates, w["context_tokens"]) for w in work.values())
 
     @staticmethod
     def _probe_cost(rates: dict, protocol: dict) -> float:
@@ -156,7 +161,7 @@ class TimeModel:
         sizes = {"gguf_f16": f16_bytes, "original": self.plan_original_bytes}
 
         def cost(rates: dict, n: int) -> float:
-            return sum(r["load"] + n * r["prefill"] for r in rates.values())
+            return sum(self._read(r, n) for r in rates.values())
 
         measured = cost({n: self._rates(n, run.variants[n]["bytes"], run.params) for n in names}, run.parity_tokens)
         planned = cost({n: self._rates(n, sizes[n], params) for n in names}, tokens)
@@ -165,14 +170,13 @@ class TimeModel:
         return t, (f"{run.label} by component (both runtimes' loads and {tokens} tokens each; the rest, "
                    f"{rest:.1f} s, x{self.plan_vocab / run.vocab:.2g} with the vocabulary)")
 
-    @staticmethod
-    def _rows_cost(original_rates: dict | None, work: dict, fill: float) -> float:
+    def _rows_cost(self, original_rates: dict | None, work: dict, fill: float) -> float:
         """The reference's exact rows (stages.reference.exact_rows): the original loaded on its runtime and every
         transcript read once more (its prompts and its replies)."""
         if not original_rates:
             return 0.0
         tokens = sum(w.get("prefill_tokens", w["prompt_tokens"]) + w["reply_tokens"] * fill for w in work.values())
-        return original_rates["load"] + tokens * original_rates["prefill"]
+        return self._read(original_rates, tokens)
 
     def _rate_pair(self, measured: str, nbytes: float, params: int | None) -> tuple[dict | None, dict | None]:
         """The measured variant's rates at its own size and at the planned one (``_rates``)."""
@@ -187,7 +191,7 @@ class TimeModel:
         work per scored row of the vocabulary (log-probs, KLD, top-K: ``per_row`` seconds per entry)."""
         prefill = sum(w.get("prefill_tokens", w["prompt_tokens"]) for w in work.values())
         replies = sum(w["reply_tokens"] for w in work.values()) * fill
-        cost = rates["load"] + prefill * rates["prefill"]
+        cost = self._read(rates, prefill)
         if stage == "score":
             return cost + replies * rates["prefill"] + replies * vocab * per_row
         cost += replies * rates["decode"]
