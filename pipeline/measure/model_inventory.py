@@ -50,10 +50,9 @@ def extra_files_bytes(folder: Path) -> int:
 
 def gguf_tensors(path: Path) -> list[Tensor]:
     """A GGUF file's tensors in torch order (ggml lists the row length first)."""
-    from gguf import GGUFReader
+    from pipeline.infra.gguf_file import read_header
 
-    reader = GGUFReader(str(path))
-    return [Tensor(t.name, tuple(int(d) for d in reversed(list(t.shape)))) for t in reader.tensors]
+    return [Tensor(t.name, tuple(int(d) for d in reversed(t.shape))) for t in read_header(path).tensors]
 
 
 def config_facts(config, params: int) -> dict:

@@ -35,11 +35,13 @@ def bits_per_weight(path: Path, params: int | None) -> float | None:
 
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        from gguf import GGUFReader
+        from pipeline.infra.gguf_file import read_header
 
-        tensors = GGUFReader(str(path)).tensors
-        elements = sum(int(t.n_elements) for t in tensors)
-        return 8.0 * sum(int(t.n_bytes) for t in tensors) / elements if elements else None
+        tensors = read_header(path).tensors
+        elements = sum(t.n_elements for t in tensors)
+        if not elements or any(t.n_bytes is None for t in tensors):
+            return None
+        return 8.0 * sum(t.n_bytes for t in tensors) / elements
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files or not params:
         return None
