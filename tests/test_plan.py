@@ -166,7 +166,7 @@ def test_a_load_level_scales_with_the_bytes_up_to_its_time_limit_and_the_levels_
     measured one is not nine times slower once its levels reach that cap, and a sweep with a third of the levels
     (repeats=1 against 3) takes a third of the time."""
     from pipeline.measure.measured_runs import MeasuredRun
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.measure.stage_rates import PlannedSweep, TimeModel
 
     run = MeasuredRun(label="demo", model="m", run="quick", profile="quick", suites=[], params=100, cpu_key="k",
                       cpu="cpu",
@@ -174,12 +174,39 @@ def test_a_load_level_scales_with_the_bytes_up_to_its_time_limit_and_the_levels_
                       walls={("load", "*"): 900.0, ("score", "q8"): 10.0}, load_variants=5, load_cells=9)
     tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={})
     per_level = 900.0 / 5 / 9
-    same, _ = tm.estimate("load", "q8", "ggml", 100.0, load_levels=(9, 120.0))
+    nine, three = (PlannedSweep(rounds=r, depths=(512,), requests={1: 4, 2: 4, 4: 8}, cap=120.0) for r in (3, 1))
+    same, _ = tm.estimate("load", "q8", "ggml", 100.0, load_levels=nine)
     assert same == pytest.approx(per_level * 9)
-    third, _ = tm.estimate("load", "q8", "ggml", 100.0, load_levels=(3, 120.0))
+    third, _ = tm.estimate("load", "q8", "ggml", 100.0, load_levels=three)
     assert third == pytest.approx(per_level * 3)
-    big, basis = tm.estimate("load", "q8", "ggml", 900.0, load_levels=(3, 120.0))
+    big, basis = tm.estimate("load", "q8", "ggml", 900.0, load_levels=three)
     assert big == pytest.approx(3 * 120.0) and "capped" in basis
+
+
+def test_a_load_sweep_is_its_rounds_fixed_part_and_its_requests_prefill_and_decode():
+    """Where the measured run recorded its levels: a round's time outside its levels is paid once per planned
+    round (plus the larger model's longer load), each level's requests at the measured seconds per request, the
+    time to first token carried by the prefill ratio and the depth, the rest by the decode ratio."""
+    from pipeline.measure.measured_runs import _read_load_levels
+    from pipeline.measure.stage_rates import PlannedSweep, TimeModel
+
+    run = _component_run(walls={("load", "*"): 100.0, ("score", "q8"): 50.0})
+    lc = {"trials_wall_s": 2 * 20.0 + 16.0 + 24.0, "variants": {"q8": {"status": "ok", "rounds": 2, "depths": {
+        "512": {"levels": {"1": {"completed": 8, "requests_per_s": 0.5, "ttft_p50_s": 1.5, "e2e_p50_s": 2.0},
+                           "2": {"completed": 8, "requests_per_s": 1 / 3, "ttft_p50_s": 1.0, "e2e_p50_s": 4.0}}}}}}}
+    _read_load_levels(run, lc)
+    assert run.load_fixed_s == pytest.approx(20.0)
+    tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, plan_params=run.params)
+    sweep = PlannedSweep(rounds=2, depths=(512,), requests={1: 4, 2: 4}, cap=1000.0)
+    same, basis = tm.estimate("load", "q8", "ggml", 100e6, params=run.params, load_levels=sweep)
+    assert same == pytest.approx(lc["trials_wall_s"]) and "by component" in basis     # the measured sweep again
+    # nine times the parameters and bytes: prefill x9; a decoded token 10 ms fixed + 90 ms read (x5); load +0.08 s
+    big, _ = tm.estimate("load", "q8", "ggml", 900e6, params=9 * run.params, load_levels=sweep)
+    levels = 16.0 * (0.75 * 9 + 0.25 * 5) + 24.0 * (0.25 * 9 + 0.75 * 5)
+    assert big == pytest.approx(levels + 2 * (20.0 + 0.08))
+    deeper = PlannedSweep(rounds=1, depths=(1024,), requests={1: 4}, cap=1000.0)
+    d, _ = tm.estimate("load", "q8", "ggml", 100e6, params=run.params, load_levels=deeper)
+    assert d == pytest.approx(4 * 2.0 * (0.75 * 2 + 0.25) + 20.0)
 
 
 def test_plan_compare_counts_what_the_prepare_stage_wrote(tmp_path):

@@ -47,6 +47,8 @@ class MeasuredRun:
     exact_builder: str | None = None   # the variant whose scoring built the original's exact rows (the first compared)
     parity_tokens: int | None = None    # the tokens its parity check read (summary.reference.parity.tokens)
     wall_cpus: dict = field(default_factory=dict)   # (stage, key) -> the CPU a model-level stage ran on, where known
+    load_levels: dict = field(default_factory=dict)  # variant -> [{concurrency, depth, requests, wall, ttft, e2e}]
+    load_fixed_s: float | None = None   # a served variant's round less its levels (server start, load, guidellm)
 
     @property
     def speed_labels(self) -> int:
@@ -145,6 +147,7 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
     mr.load_variants = max(1, len(served))
     mr.load_cells = max(1, int(lc.get("repeats") or 1) * len(lc.get("depths") or [0])
                         * len(lc.get("concurrency") or [0]))
+    _read_load_levels(mr, lc)
     for stage, key in (("speed", "speed"), ("load", "load")):
         if (st.get("run_s") or {}).get(key) is not None:
             mr.walls[(stage, "*")] = st["run_s"][key]
@@ -167,6 +170,29 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
     mr.walls.update(stage_walls(Path(artifacts) / model, run, variants))
     mr.wall_cpus = model_stage_cpus(Path(artifacts) / model, variants)
     return mr
+
+
+def _read_load_levels(mr: MeasuredRun, lc: dict) -> None:
+    """Each served variant's levels (their requests, the seconds they took over all rounds: completed requests over
+    requests per second, the median time to first token and end to end) and what a round spent outside its levels
+    (the sweep's wall less every level's, per variant and round): the load sweep by component."""
+    levels_s, rounds = 0.0, 0
+    for name, v in (lc.get("variants") or {}).items():
+        if v.get("status") != "ok":
+            continue
+        rows = []
+        for depth, d in (v.get("depths") or {}).items():
+            for c, lv in (d.get("levels") or {}).items():
+                done, rps = lv.get("completed") or 0, lv.get("requests_per_s") or 0
+                if done and rps and lv.get("e2e_p50_s"):
+                    rows.append({"concurrency": int(c), "depth": int(depth), "requests": done, "wall": done / rps,
+                                 "ttft": lv.get("ttft_p50_s") or 0.0, "e2e": lv["e2e_p50_s"]})
+        if rows:
+            mr.load_levels[name] = rows
+            levels_s += sum(r["wall"] for r in rows)
+            rounds += int(v.get("rounds") or lc.get("repeats") or 1)
+    if rounds and lc.get("trials_wall_s"):
+        mr.load_fixed_s = max(0.0, (lc["trials_wall_s"] - levels_s) / rounds)
 
 
 def find_runs(results: Path, artifacts: Path, exclude: str | None = None) -> list[MeasuredRun]:

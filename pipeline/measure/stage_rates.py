@@ -21,6 +21,21 @@ from dataclasses import dataclass, field
 from pipeline.measure.measured_runs import MeasuredRun
 
 
+@dataclass(frozen=True)
+class PlannedSweep:
+    """The planned load sweep of one served variant: its rounds (a fresh server each), the context depths, the
+    requests each concurrency level sends (loadgen.level_requests) and the seconds a level may last."""
+
+    rounds: int
+    depths: tuple[int, ...]
+    requests: dict              # concurrency -> requests
+    cap: float
+
+    @property
+    def levels(self) -> int:
+        return self.rounds * len(self.depths) * len(self.requests)
+
+
 @dataclass
 class TimeModel:
     """Scales a measured run's stage times to the planned run."""
@@ -261,12 +276,12 @@ class TimeModel:
         return n, self.run.walls[(stage, n)]
 
     def estimate(self, stage: str, name: str, kind: str, nbytes: float, suites: list[str] | None = None,
-                 params: int | None = None, extra: float = 1.0, load_levels: tuple[int, float] | None = None,
+                 params: int | None = None, extra: float = 1.0, load_levels: PlannedSweep | None = None,
                  source: str | None = None, builds_exact: bool = False, labels: int = 1,
                  f16_bytes: float | None = None) -> tuple[float | None, str]:
-        """(seconds, basis) of ``stage`` for the planned variant ``name``. ``load_levels``: the planned load sweep's
-        levels per variant and the seconds one level may last (load.max_seconds_per_level): a level's measured time
-        scales with the bytes up to that cap, then the levels add up."""
+        """(seconds, basis) of ``stage`` for the planned variant ``name``. ``load_levels``: the planned load sweep
+        (``PlannedSweep``), by component (``_load_sweep``) where the measured run recorded its levels, else a level's
+        measured time scaled by the time per decoded token up to load.max_seconds_per_level, the levels added up."""
         run = self.run
         if stage == "prepare" and source and run.source_kind and source != run.source_kind:
             return None, (f"not comparable: {run.label}'s source was {run.source_kind}, this one is {source}")
@@ -319,11 +334,13 @@ class TimeModel:
             ref = self._match("score", name, kind, nbytes)
             ratio = nbytes / (run.variants[ref[0]]["bytes"] or nbytes) if ref else 1.0
             if stage == "load" and load_levels:
+                if ref and (by := self._load_sweep(ref[0], nbytes, params, load_levels)) is not None:
+                    return by
                 # a served level decodes: it grows with the time per decoded token (bytes read plus fixed costs)
                 mrates, prates = self._rate_pair(ref[0], nbytes, params) if ref else (None, None)
                 if mrates and prates:
                     ratio = prates["decode"] / mrates["decode"]
-                levels, cap = load_levels
+                levels, cap = load_levels.levels, load_levels.cap
                 level = per / run.load_cells * ratio * self.factor
                 capped = " (capped: load.max_seconds_per_level)" if level > cap else ""
                 return (min(level, cap) * levels, f"{run.label} per load level x{ratio:.2g} "
@@ -348,6 +365,34 @@ class TimeModel:
             ratio *= self._tokens()
         ratio *= extra
         return wall * ratio * self.factor, f"{run.label}{via} x{ratio:.2g}"
+
+    def _load_sweep(self, measured: str, nbytes: float, params: int | None,
+                    sweep: PlannedSweep) -> tuple[float, str] | None:
+        """A served variant's load sweep by component: per round what the measured rounds spent outside their levels
+        (a server's start, guidellm's start and exit: ``MeasuredRun.load_fixed_s``) plus the planned load's growth;
+        per level its requests at the measured level's seconds per request (the nearest concurrency), the time to
+        first token carried by the prefill ratio and the depth, the rest of a request by the decode ratio; a level
+        capped at load.max_seconds_per_level. None without the measured levels or speed figures."""
+        import math
+
+        run, rows = self.run, self.run.load_levels.get(measured)
+        mrates, prates = self._rate_pair(measured, nbytes, params)
+        if not rows or run.load_fixed_s is None or not (mrates and prates):
+            return None
+        pre, dec = prates["prefill"] / mrates["prefill"], prates["decode"] / mrates["decode"]
+        total, capped = 0.0, 0
+        for depth in sweep.depths:
+            for c, requests in sweep.requests.items():
+                lv = min(rows, key=lambda r: (abs(math.log(r["concurrency"] / c)), abs(r["depth"] - depth)))
+                first = min(1.0, lv["ttft"] / lv["e2e"])
+                ratio = first * pre * depth / lv["depth"] + (1.0 - first) * dec
+                level = requests * lv["wall"] / lv["requests"] * ratio * self.factor
+                capped += level > sweep.cap
+                total += min(level, sweep.cap) * sweep.rounds
+        fixed = (run.load_fixed_s + max(0.0, prates["load"] - mrates["load"])) * self.factor
+        return (total + fixed * sweep.rounds,
+                f"{run.label} by component ({measured}'s levels: prefill x{pre:.2g}, decode x{dec:.2g}; "
+                f"{sweep.rounds} round(s) of {fixed:.0f} s outside the levels){' (capped levels)' * bool(capped)}")
 
     def _bench(self, stage: str, name: str, kind: str, nbytes: float, params: int | None,
                samples: float) -> tuple[float | None, str]:

@@ -215,12 +215,16 @@ def _bench_samples(cfg, task: str) -> int:
     return min(limit, total) if limit else total
 
 
-def _load_levels(cfg) -> tuple[int, float]:
-    """The load sweep's levels per variant (repeats x depths x concurrency levels, a level past the knee counted
-    too) and the seconds a level may last."""
+def _load_levels(cfg):
+    """The load sweep of one served variant (stage_rates.PlannedSweep: repeats, depths, each concurrency level's
+    requests, a level past the knee counted too, and the seconds a level may last)."""
+    from pipeline.measure.loadgen import level_requests
+    from pipeline.measure.stage_rates import PlannedSweep
+
     lc = cfg.load
-    return (lc.repeats * len(lc.sweep_depths(cfg.workload.context_tokens)) * len(lc.concurrency),
-            float(lc.max_seconds_per_level))
+    return PlannedSweep(rounds=lc.repeats, depths=tuple(lc.sweep_depths(cfg.workload.context_tokens)),
+                        requests=level_requests(list(lc.concurrency), lc.min_requests, lc.requests_per_stream),
+                        cap=float(lc.max_seconds_per_level))
 
 
 def _probe_ratio(cfg) -> float:
