@@ -360,6 +360,11 @@ class TimeModel:
                 return t * extra * self.factor, f"{run.label}{via} by component{exact}"
         if stage == "quantize" and other == name and params and (fit := self._two_sizes(stage, name, wall, params)):
             return fit[0] * extra * self.factor, fit[1]
+        if stage == "quantize" and other == name and params:
+            # the same recipe reads and quantizes every weight: it grows with the parameters, not with the file
+            # (a small model's K-quant file is larger per weight: rows not a multiple of 256 fall back to 8 bits)
+            ratio = params / run.params * extra
+            return wall * ratio * self.factor, f"{run.label} x{ratio:.2g} (params)"
         ratio = nbytes / (run.variants.get(other, {}).get("bytes") or nbytes)
         if stage in ("evaluate", "score", "baseline"):
             ratio *= self._tokens()
