@@ -28,6 +28,12 @@ def evaluation_folders(model_dir: Path, run_name: str, name: str, bench_tasks=()
             **{f"bench:{task}": bench_folder(run, name, task) for task in bench_tasks}}
 
 
+def run_folders(model_dir: Path, run_name: str) -> dict[str, Path]:
+    """The run-level stage folders: the speed stage and the (short) load sweep."""
+    run = model_dir / "runs" / run_name
+    return {"speed": run / "speed", "load": run / "load"}
+
+
 def model_folders(model_dir: Path, name: str) -> dict[str, Path]:
     """The model-level stage folders one variant rests on (shared by every run)."""
     return {"prepare": model_dir / "original", "convert_f16": model_dir / "gguf-f16",
@@ -45,7 +51,7 @@ def stage_folders(model_dir: Path, run_name: str, names, suites=(), bench_tasks=
     and peaks it sums (key: a suite, a variant, a base artifact, "-" for a model-level stage, "*" for a run-level
     one)."""
     md, run = model_dir, model_dir / "runs" / run_name
-    folders: dict[tuple[str, str], list[Path]] = {("speed", "*"): [run / "speed"], ("load", "*"): [run / "load"]}
+    folders: dict[tuple[str, str], list[Path]] = {(stage, "*"): [f] for stage, f in run_folders(md, run_name).items()}
     for suite in suites:
         folders[("reference", suite)] = reference_folders(md, run_name, suite)
     for name in names:

@@ -9,8 +9,8 @@ from pathlib import Path
 from pipeline.config.schema import Config
 from pipeline.stages.load import completed_sweeps, sweep_stage
 from pipeline.infra.stage_cache import load_manifest
-from pipeline.measure.stage_folders import (evaluation_folders, model_folders, reference_folders, stage_folders,
-                                            wall_of)
+from pipeline.measure.stage_folders import (evaluation_folders, model_folders, reference_folders, run_folders,
+                                            stage_folders, wall_of)
 from pipeline.infra.files import read_json
 
 
@@ -81,7 +81,7 @@ def run_stages(cfg: Config, names: list[str]) -> dict:
         row = {k: w for k, w in evaluation_stages(cfg, name).items() if w is not None}
         if row:
             variants[name] = row
-    shared = {k: w for k, w in (("speed", wall_of(run / "speed")), ("load", wall_of(run / "load"))) if w is not None}
+    shared = {k: w for k, f in run_folders(cfg.model_dir, cfg.run.name).items() if (w := wall_of(f)) is not None}
     references = reference_stages(cfg)
     total = sum(references.values()) + sum(sum(r.values()) for r in variants.values()) + sum(shared.values())
     return {"references_s": references, "variants_s": variants, "run_s": shared, "total_s": total,
