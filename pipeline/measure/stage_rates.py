@@ -390,7 +390,7 @@ class TimeModel:
             for c, requests in sweep.requests.items():
                 lv = min(rows, key=lambda r: (abs(math.log(r["concurrency"] / c)), abs(r["depth"] - depth)))
                 first = min(1.0, lv["ttft"] / lv["e2e"])
-                ratio = first * pre * depth / lv["depth"] + (1.0 - first) * dec
+                ratio = first * pre * (depth / lv["depth"] if lv["depth"] else 1.0) + (1.0 - first) * dec
                 level = requests * lv["wall"] / lv["requests"] * ratio * self.factor
                 capped += level > sweep.cap
                 total += min(level, sweep.cap) * sweep.rounds
