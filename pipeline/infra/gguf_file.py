@@ -10,6 +10,7 @@ cost paid twice by every GGUF quantization. Array fields are stepped over unless
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import struct
 from collections import Counter
@@ -98,9 +99,7 @@ def read_header(path: Path, arrays: tuple[str, ...] = ()) -> GGUFHeader:
             off += 4 + 8 * n_dims
             type_id, _offset = struct.unpack_from(order + "IQ", mm, off)
             off += 12
-            n = 1
-            for d in shape:
-                n *= int(d)
+            n = math.prod(shape)
             try:
                 qtype = GGMLQuantizationType(type_id)
             except ValueError:

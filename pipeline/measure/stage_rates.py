@@ -358,9 +358,9 @@ class TimeModel:
             if t is not None:
                 exact = " (the original's exact rows built here)" if builds_exact else ""
                 return t * extra * self.factor, f"{run.label}{via} by component{exact}"
-        if stage == "quantize" and other == name and params and (fit := self._two_sizes(stage, name, wall, params)):
-            return fit[0] * extra * self.factor, fit[1]
         if stage == "quantize" and other == name and params:
+            if fit := self._two_sizes(stage, name, wall, params):
+                return fit[0] * extra * self.factor, fit[1]
             # the same recipe reads and quantizes every weight: it grows with the parameters, not with the file
             # (a small model's K-quant file is larger per weight: rows not a multiple of 256 fall back to 8 bits)
             ratio = params / run.params * extra
