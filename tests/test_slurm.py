@@ -28,9 +28,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(2400)]
 EXE = [sys.executable, "-m", "pipeline.cli"]
 VARIANTS = ["original", "gguf_q8_0"]
 BROKEN = "gguf_q9_9"          # a GGUF type llama.cpp does not have: composes, fails inside its job
-# cancelled here: a stage every task needs and long enough (seconds, llama.cpp's converter in a child process)
-# for scancel to land inside it. The converter dies of scancel's SIGTERM, which the task reads as an interruption
-# (never as "no GGUF for this model"); the F16 artifact stage that encloses it is left unfinished with it.
+# cancelled here: a stage every task needs, run by llama.cpp's converter in a child process, which the test holds
+# (`_held_cache`) until scancel has been sent, so the cancel lands inside it however loaded the machine is (the
+# tiny model converts in about a second). The converter dies of scancel's SIGTERM, which the task reads as an
+# interruption (never as "no GGUF for this model"); the F16 artifact stage that encloses it is left unfinished.
 SHARED_STAGE = "convert:f16-gguf"
 SHARED_STAGES = {SHARED_STAGE, "quantize:gguf_f16"}
 BUILDING = re.compile(r"\] - (\S+): building (\S+)")
@@ -135,6 +136,38 @@ def _drift(summary: dict) -> dict:
             for n, v in summary["variants"].items()}
 
 
+HOLD = """# llama.cpp's converter, held until the test releases it (at most 10 min), then run as it is
+import runpy, sys, time
+from pathlib import Path
+release, deadline = Path({release!r}), time.time() + 600
+while not release.exists() and time.time() < deadline:
+    time.sleep(0.2)
+sys.argv[0] = {real!r}
+runpy.run_path({real!r}, run_name="__main__")
+"""
+
+
+def _held_cache(tmp_path: Path, release: Path) -> Path:
+    """A paths.cache for the test: the project's own (links to it), with llama.cpp's converter script replaced by
+    one that waits for `release` to exist before it runs the real one."""
+    from importlib import metadata
+
+    real_cache = PROJECT_ROOT / ".cache"
+    src_name = f"llama-cpp-python-{metadata.version('llama-cpp-python')}"
+    held = tmp_path / "cache"
+    held.mkdir()
+    for entry in real_cache.iterdir():
+        if entry.name != src_name:
+            (held / entry.name).symlink_to(entry)
+    (held / src_name).mkdir()
+    for entry in (real_cache / src_name).iterdir():
+        if entry.name != "convert_hf_to_gguf.py":
+            (held / src_name / entry.name).symlink_to(entry)
+    real = str(real_cache / src_name / "convert_hf_to_gguf.py")
+    (held / src_name / "convert_hf_to_gguf.py").write_text(HOLD.format(release=str(release), real=real))
+    return held
+
+
 def _wait_until(what: str, ready, timeout_s: float, poll_s: float = 0.2):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -148,10 +181,12 @@ def test_sweep_as_a_slurm_array_cancel_resume_failure_and_local_parity(cluster, 
     env = {**cluster["env"], "PYTHONPATH": str(PROJECT_ROOT)}
     conf_dir = tmp_path / "conf"
     _broken_variant(conf_dir)
+    release = tmp_path / "release-converter"
+    cache = _held_cache(tmp_path, release)
     # one thread per job, as many jobs as the node has CPUs: the figures are the local run's, and two tasks run
     # at once (cpus_per_task=1 each)
     common = [f"model.source={tiny_llama}", "model.name=tiny", "profile=smoke", "run.suites=[smoke]",
-              f"paths.cache={PROJECT_ROOT / '.cache'}", "runtime.threads=1", f"hydra.searchpath=[file://{conf_dir}]"]
+              f"paths.cache={cache}", "runtime.threads=1", f"hydra.searchpath=[file://{conf_dir}]"]
     slurm = ["hydra/launcher=slurm", f"hydra.launcher.partition={cluster['partition']}",
              "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=4",
              "hydra.launcher.timeout_min=30", "hydra.launcher.array_parallelism=2"]
@@ -175,6 +210,11 @@ def test_sweep_as_a_slurm_array_cancel_resume_failure_and_local_parity(cluster, 
             (p.name.split("_")[0] for p in (first_dir / ".submitit").glob(f"*_{task}")), None), timeout_s=60)
         cancelled = _slurm(env, "scancel", f"{array_id}_{task}")
         assert cancelled.returncode == 0, cancelled.stderr
+        # the cancelled task's converter dies of it held; the other tasks' conversions run from here on
+        _wait_until("the cancelled task to leave the queue", lambda: not _slurm(
+            env, "squeue", "-h", "-j", f"{array_id}_{task}", "-t", "RUNNING,COMPLETING").stdout.strip(),
+            timeout_s=300, poll_s=0.5)
+        release.touch()
         out, _ = proc.communicate(timeout=1200)
     finally:
         if proc.poll() is None:
