@@ -331,6 +331,12 @@ def test_the_plan_takes_times_from_the_most_complete_run_and_not_a_prepare_of_an
     assert choose_run([few, full], "m", "k") is full
     mine = _component_run(model="another-model", label="another-model/smoke")
     assert choose_run([few, full, mine], "another-model", "k") is mine
+    # two complete runs on this CPU: the one whose speed figures rest on more rounds, whatever else it ran
+    rates = {n: {"prefill": 1.0, "decode": 1.0, "load_s": 0} for n in "abcd"}
+    quick = _component_run(label="demo/quick", rates=rates, speed_protocol={"rounds": 10})
+    short = _component_run(label="demo/benchmarks", rates=rates, speed_protocol={"rounds": 3},
+                           walls={**quick.walls, ("bench:mc", "a"): 5.0})
+    assert choose_run([short, quick], "m", "k") is quick
     run = _component_run(source_kind="dequantized", walls={("prepare", "-"): 30.0})
     tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={})
     assert tm.estimate("prepare", "-", "original", 1e9, params=10 * run.params, source="used in place")[0] is None

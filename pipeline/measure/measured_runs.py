@@ -207,10 +207,12 @@ def find_runs(results: Path, artifacts: Path, exclude: str | None = None) -> lis
 
 def rank_runs(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> list[MeasuredRun]:
     """The runs best first: the same model's run, then the run whose speed figures cover the most variants, then
-    one on this CPU, then the most stages (a run of a few variants on this CPU predicts the others worse than a
-    complete one from another CPU rescaled by bandwidth)."""
+    one on this CPU, then the one whose speed figures rest on the most rounds (a run with its speed protocol cut
+    short for time is a worse source of rates), then the most stages (a run of a few variants on this CPU predicts
+    the others worse than a complete one from another CPU rescaled by bandwidth)."""
     def rank(r: MeasuredRun):
-        return (r.model == model, len(r.rates), r.cpu_key == cpu_key and cpu_key is not None, len(r.walls))
+        return (r.model == model, len(r.rates), r.cpu_key == cpu_key and cpu_key is not None,
+                int((r.speed_protocol or {}).get("rounds") or 0), len(r.walls))
 
     return sorted(runs, key=rank, reverse=True)
 
