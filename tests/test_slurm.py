@@ -147,6 +147,14 @@ runpy.run_path({real!r}, run_name="__main__")
 """
 
 
+def _link_all_but(src: Path, dst: Path, but: str) -> None:
+    """``dst`` made, with a link to every entry of ``src`` except the one named ``but``."""
+    dst.mkdir()
+    for entry in src.iterdir():
+        if entry.name != but:
+            (dst / entry.name).symlink_to(entry)
+
+
 def _held_cache(tmp_path: Path, release: Path) -> Path:
     """A paths.cache for the test: the project's own (links to it), with llama.cpp's converter script replaced by
     one that waits for `release` to exist before it runs the real one."""
@@ -155,14 +163,8 @@ def _held_cache(tmp_path: Path, release: Path) -> Path:
     real_cache = PROJECT_ROOT / ".cache"
     src_name = f"llama-cpp-python-{metadata.version('llama-cpp-python')}"
     held = tmp_path / "cache"
-    held.mkdir()
-    for entry in real_cache.iterdir():
-        if entry.name != src_name:
-            (held / entry.name).symlink_to(entry)
-    (held / src_name).mkdir()
-    for entry in (real_cache / src_name).iterdir():
-        if entry.name != "convert_hf_to_gguf.py":
-            (held / src_name / entry.name).symlink_to(entry)
+    _link_all_but(real_cache, held, src_name)
+    _link_all_but(real_cache / src_name, held / src_name, "convert_hf_to_gguf.py")
     real = str(real_cache / src_name / "convert_hf_to_gguf.py")
     (held / src_name / "convert_hf_to_gguf.py").write_text(HOLD.format(release=str(release), real=real))
     return held
@@ -217,6 +219,7 @@ def test_sweep_as_a_slurm_array_cancel_resume_failure_and_local_parity(cluster, 
         release.touch()
         out, _ = proc.communicate(timeout=1200)
     finally:
+        release.touch()     # no task's converter stays held past the test, whatever failed above
         if proc.poll() is None:
             proc.kill()
             proc.wait()
