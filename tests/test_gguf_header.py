@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.infra.gguf_file import gguf_metadata, read_header, tensor_types
+from pipeline.infra.gguf_file import gguf_metadata, read_header, tensor_types, type_elements
 
 
 def _reader_view(path):
@@ -72,6 +72,7 @@ def test_arrays_not_asked_for_are_stepped_over(written):
     assert h.fields["t.strings"] is None and h.fields["t.ints"] is None
     assert h.fields["t.unicode"] == "Grüße ▁ 你好"          # fields after the skipped arrays still read right
     assert tensor_types(written) == {"F16": 1, "F32": 1, "Q8_0": 1}
+    assert type_elements(written) == {"F16": 32 * 32, "F32": 8 * 32, "Q8_0": 2 * 64}
     assert gguf_metadata(written, "tokenizer.ggml.pre") == "llama-bpe"
     assert gguf_metadata(written, "t.strings") == ["a", "", "Ġ Ġ", "✓"]
     assert gguf_metadata(written, "absent.key") is None

@@ -463,3 +463,76 @@ def test_parity_and_the_conversion_carry_by_their_components():
     t, basis = tm.estimate("convert_f16", "-", "ggml", 1e9, params=10 * small.params)
     assert t == pytest.approx(start + (60.0 - start) * 10) and "worker's start" in basis
 
+
+
+def test_a_run_is_rescaled_by_its_recorded_bandwidth_on_its_own_cpu_too():
+    """Machines with one CPU key read different bandwidths (29.7 and 45.3 GB/s two days apart here) and their stage
+    times move with it: a run on this CPU is rescaled like one from another; without a recorded bandwidth it is
+    used as it is."""
+    from pipeline.measure.measured_runs import calibration_factor
+
+    run = _component_run(bandwidth_bytes_per_s=30e9)
+    factor, basis = calibration_factor(run, "k", 2, measure=lambda: 45e9)
+    assert factor == pytest.approx(30 / 45) and "same CPU key k" in basis and "measured now" in basis
+    assert calibration_factor(run, "k", 2, recorded_here=60e9)[0] == pytest.approx(0.5)
+    assert calibration_factor(run, "other", 2, measure=lambda: 15e9)[0] == pytest.approx(2.0)
+    bare = _component_run(bandwidth_bytes_per_s=None)
+    assert calibration_factor(bare, "k", 2, measure=lambda: 1 / 0) == (1.0, "measured here (demo/quick, same CPU key k)")
+    # a model-level stage built in another run carries that run's reading, not the summary's
+    from pipeline.measure.stage_rates import TimeModel
+
+    tm = TimeModel(run=_component_run(bandwidth_bytes_per_s=30e9, wall_bandwidths={("quantize", "q8"): 45e9}),
+                   factor=30 / 45, basis="", plan_budget={})
+    assert tm._factor_of("quantize", "q8") == pytest.approx(1.0)
+    assert tm._factor_of("convert_f16", "-") == pytest.approx(30 / 45)
+
+
+def test_the_conversion_carries_by_its_recorded_phases():
+    """The converter's start and exit (and what the stage adds around it) as they are, its vocabulary work with
+    the vocabulary, its tensors with the parameters."""
+    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.quantizers.gguf_convert import PHASE_MARK, conversion_phases
+
+    text = f"INFO:x\n{PHASE_MARK} start 102.5\nINFO:y\n{PHASE_MARK} vocabulary 103.5\n{PHASE_MARK} tensors 104.0\n"
+    phases = conversion_phases(text, started=100.0, ended=105.0)
+    assert phases == {"start": 2.5, "vocabulary": 1.0, "tensors": 0.5, "exit": 1.0}
+    assert conversion_phases("INFO: no marks\n", 100.0, 105.0) is None
+    run = _component_run(walls={("convert_f16", "-"): 5.5}, convert_phases=phases)
+    tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, plan_vocab=2 * run.vocab)
+    t, basis = tm.estimate("convert_f16", "-", "ggml", 1e9, params=10 * run.params)
+    assert t == pytest.approx(4.0 + 1.0 * 2 + 0.5 * 10) and "by phase" in basis
+
+
+def test_a_gguf_quantization_carries_by_the_weights_of_each_type():
+    """llama-quantize's time: each weight at its type's cost per weight here, over the threads, plus the F16 file
+    read and the output written at the seconds per byte the measured stage left after its own quantizing."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    run = _component_run(walls={("quantize", "q8"): 3.0},
+                         quant_elements={"q8": {"F32": 1000, "Q8_0": 100_000_000}})
+    run.variants["gguf_f16"] = {"bytes": 200e6, "kind": "ggml"}
+    rates = {"F32": 0.0, "Q8_0": 4e-9, "Q4_K": 80e-9, "Q6_K": 30e-9}
+    tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={}, threads=2, quant_rates=lambda types: rates)
+    per_byte = (3.0 - 100e6 * 4e-9 / 2) / (200e6 + 100e6)        # 2.6 s over 300 MB read and written
+    planned = {"F32": 2000, "Q4_K": 800_000_000, "Q6_K": 200_000_000}
+    t, basis = tm.estimate("quantize", "q8", "ggml", 600e6, params=10 * run.params, type_elements=planned,
+                           f16_bytes=2e9)
+    assert t == pytest.approx((800e6 * 80e-9 + 200e6 * 30e-9) / 2 + (2e9 + 600e6) * per_byte) and "by type" in basis
+    # without the measured file's types (its artifacts gone) or the calibration: by the parameters
+    for tm in (TimeModel(run=_component_run(walls={("quantize", "q8"): 3.0}), factor=1.0, basis="",
+                         plan_budget={}, threads=2, quant_rates=lambda types: rates),
+               TimeModel(run=run, factor=1.0, basis="", plan_budget={}, threads=2, quant_rates=lambda types: None)):
+        t, basis = tm.estimate("quantize", "q8", "ggml", 600e6, params=10 * run.params, type_elements=planned,
+                               f16_bytes=2e9)
+        assert t == pytest.approx(30.0) and "params" in basis
+
+
+def test_quantization_costs_per_weight_are_measured_from_llama_cpp_s_own_ggml():
+    """ggml_quantize_chunk timed here: a K-quant searches each super-block's scales, several times the cost of
+    rounding Q8_0's blocks; unquantized types cost nothing; an unknown type gives no calibration."""
+    from pipeline.measure.quant_rates import seconds_per_weight
+
+    rates = seconds_per_weight(("F16", "F32", "Q4_K", "Q8_0"))
+    assert rates is not None and rates["F16"] == rates["F32"] == 0.0
+    assert 0 < rates["Q8_0"] < 1e-6 and rates["Q4_K"] > 3 * rates["Q8_0"]
+    assert seconds_per_weight(("NOT_A_TYPE",)) is None

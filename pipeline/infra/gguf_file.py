@@ -115,6 +115,14 @@ def tensor_types(path: Path) -> dict[str, int]:
     return dict(sorted(Counter(t.type for t in read_header(path).tensors).items()))
 
 
+def type_elements(path: Path) -> dict[str, int]:
+    """How many weights the file holds in each ggml type (what llama-quantize spent its time on, type by type)."""
+    out: Counter = Counter()
+    for t in read_header(path).tensors:
+        out[t.type] += t.n_elements
+    return dict(sorted(out.items()))
+
+
 def gguf_metadata(path: Path, key: str):
     """One metadata value of a GGUF file (a string, number or list), or None when the file lacks it."""
     return read_header(path, arrays=(key,)).fields.get(key)

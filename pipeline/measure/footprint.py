@@ -211,15 +211,18 @@ GGUF_ALIGNMENT = 32
 
 
 def gguf_file(inv: Inventory, ftype: str, sizes: dict[str, tuple[int, int]]) -> dict:
-    """{"bytes", "tensor_types": {type: count}} of the GGUF llama.cpp writes for ``ftype``."""
+    """{"bytes", "tensor_types": {type: count}, "type_elements": {type: weights}} of the GGUF llama.cpp writes
+    for ``ftype``."""
     types: dict[str, int] = {}
+    elements: dict[str, int] = {}
     total = 0
     for t in inv.tensors:
         kind = gguf_tensor_type(ftype, t, inv, sizes)
         types[kind] = types.get(kind, 0) + 1
+        elements[kind] = elements.get(kind, 0) + t.elements
         total += tensor_bytes(t, kind, sizes) + GGUF_ALIGNMENT // 2
     total += GGUF_METADATA_BYTES_PER_TOKEN * int(inv.facts.get("vocab_size") or 0)
-    return {"bytes": total, "tensor_types": dict(sorted(types.items()))}
+    return {"bytes": total, "tensor_types": dict(sorted(types.items())), "type_elements": dict(sorted(elements.items()))}
 
 
 # ------------------------------------------------------------------ GPTQ / AWQ and dense copies

@@ -49,6 +49,9 @@ class MeasuredRun:
     wall_cpus: dict = field(default_factory=dict)   # (stage, key) -> the CPU a model-level stage ran on, where known
     load_levels: dict = field(default_factory=dict)  # variant -> [{concurrency, depth, requests, wall, ttft, e2e}]
     load_fixed_s: float | None = None   # a served variant's round less its levels (server start, load, guidellm)
+    wall_bandwidths: dict = field(default_factory=dict)  # (stage, key) -> bytes/s read nearest a model stage
+    convert_phases: dict | None = None
+    quant_elements: dict = field(default_factory=dict)  # GGUF base variant -> {ggml type: weights in its file}  # its F16 conversion's phases (gguf_convert.PHASES, exit), where on disk
 
     @property
     def speed_labels(self) -> int:
@@ -165,10 +168,14 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
         for key, mb in keys.items():
             mr.peaks_mb.setdefault((stage, key), mb)
     # the stages the summary leaves out, from their manifests where the run's artifacts are still on disk
-    from pipeline.measure.stage_folders import model_stage_cpus, stage_walls
+    from pipeline.measure.stage_folders import (conversion_phases, model_stage_bandwidths, model_stage_cpus,
+                                                quantized_elements, stage_walls)
 
     mr.walls.update(stage_walls(Path(artifacts) / model, run, variants))
     mr.wall_cpus = model_stage_cpus(Path(artifacts) / model, variants)
+    mr.wall_bandwidths = model_stage_bandwidths(Path(artifacts) / model, variants)
+    mr.convert_phases = conversion_phases(Path(artifacts) / model)
+    mr.quant_elements = quantized_elements(Path(artifacts) / model, variants)
     return mr
 
 
@@ -224,22 +231,29 @@ def choose_run(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> Meas
 
 
 def bandwidth_here(threads: int) -> float:
-    """This machine's memory bandwidth in bytes/s, measured now in about a second (the short calibration)."""
+    """This machine's memory bandwidth in bytes/s, measured now in one to two seconds (the short calibration), the
+    way every run records its own (``bandwidth.run_bandwidth``: the same buffer and repeats), so that the two
+    readings compare: a 128 MiB buffer copied three times read 25 GB/s on a machine whose runs recorded 40-45."""
     from pipeline.measure.bandwidth import measure_bandwidth
 
-    return measure_bandwidth("cpu", mib=128, repeats=3, threads=threads)["bytes_per_s"]
+    return measure_bandwidth("cpu", threads=threads)["bytes_per_s"]
 
 
 def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measure=None,
                        recorded_here: float | None = None) -> tuple[float, str]:
-    """(multiplier, what it rests on): 1 on the run's own CPU; else the run's bandwidth / this machine's, measured
-    now, or ``recorded_here`` (bytes/s this machine recorded earlier: a compared run's own reading)."""
-    if mr.cpu_key and mr.cpu_key == cpu_key:
-        return 1.0, f"measured here ({mr.label}, same CPU key {cpu_key})"
+    """(multiplier, what it rests on): the run's recorded bandwidth over this machine's, measured now or
+    ``recorded_here`` (bytes/s this machine recorded earlier: a compared run's own reading). On the run's own CPU
+    too: machines with the same instruction-set key differ, and so does one machine from day to day (its host's
+    memory, what runs beside it): the demo run recorded 29.7 GB/s, a run on the same CPU key two days later 45.3,
+    and every stage of that run took about two thirds of the time the demo's walls planned. 1 where the run
+    recorded no bandwidth (on its own CPU as it is; from another, not rescaled)."""
+    same = bool(mr.cpu_key) and mr.cpu_key == cpu_key
+    where = f"measured here ({mr.label}, same CPU key {cpu_key})" if same else f"{mr.label} ({mr.cpu})"
     if not mr.bandwidth_bytes_per_s:
-        return 1.0, f"measured on another CPU ({mr.label}: {mr.cpu}), not rescaled (it recorded no bandwidth)"
+        return 1.0, (where if same else
+                     f"measured on another CPU ({mr.label}: {mr.cpu}), not rescaled (it recorded no bandwidth)")
     here = recorded_here or (measure() if measure is not None else bandwidth_here(threads))
     factor = mr.bandwidth_bytes_per_s / here
-    return factor, (f"calibration: {mr.label} ({mr.cpu}, {mr.bandwidth_bytes_per_s / 1e9:.1f} GB/s) rescaled by "
-                    f"this machine's bandwidth {'as the compared run recorded it' if recorded_here else 'measured now'} "
-                    f"({here / 1e9:.1f} GB/s)")
+    return factor, (f"{'' if same else 'calibration: '}{where} rescaled by its recorded bandwidth "
+                    f"({mr.bandwidth_bytes_per_s / 1e9:.1f} GB/s) over this machine's "
+                    f"{'as the compared run recorded it' if recorded_here else 'measured now'} ({here / 1e9:.1f} GB/s)")

@@ -115,6 +115,34 @@ def stage_walls(model_dir: Path, run_name: str, names) -> dict[tuple, float]:
     return out
 
 
+def model_stage_bandwidths(model_dir: Path, names) -> dict[tuple, float]:
+    """The memory bandwidth (bytes/s) this machine recorded nearest in time to each model-level stage of a run's
+    model, on the stage's own CPU: the reading (``runs/<run>/_bandwidth``, taken at a run's start) of the run that
+    built it, within a day. The stages a run rests on may have been built on another day than its summary's run
+    (its artifacts rebuilt after a clean), when the same machine read another bandwidth; the planner rescales each
+    wall by its own reading."""
+    from pipeline.infra.files import read_json
+
+    readings = []
+    for folder in Path(model_dir).glob("runs/*/_bandwidth"):
+        m, path = load_manifest(folder), folder / "bandwidth.json"
+        if m and m.get("created_unix") and path.is_file():
+            bw = read_json(path).get("bytes_per_s")
+            if bw:
+                readings.append(((m.get("hardware") or {}).get("cpu_key"), float(m["created_unix"]), float(bw)))
+    out = {}
+    for name in names:
+        for stage, folder in model_folders(model_dir, name).items():
+            m, span = load_manifest(folder), _interval(folder)
+            if not (m and span):
+                continue
+            cpu = (m.get("hardware") or {}).get("cpu_key")
+            near = [(abs(t - span[0]), bw) for key, t, bw in readings if key == cpu and abs(t - span[0]) < 86400]
+            if near:
+                out[(stage, "-" if stage != "quantize" else name.split("+", 1)[0])] = min(near)[1]
+    return out
+
+
 def model_stage_cpus(model_dir: Path, names) -> dict[tuple, str]:
     """The CPU (hardware.cpu_key) each model-level stage of a run's model was built on, from its manifest: the
     artifacts a run rests on may come from another machine than the run itself (a checkout's artifacts folder kept
@@ -125,4 +153,23 @@ def model_stage_cpus(model_dir: Path, names) -> dict[tuple, str]:
             m = load_manifest(folder)
             if m and (m.get("hardware") or {}).get("cpu_key"):
                 out[(stage, "-" if stage != "quantize" else name.split("+", 1)[0])] = m["hardware"]["cpu_key"]
+    return out
+
+
+def conversion_phases(model_dir: Path) -> dict | None:
+    """The seconds of each phase of the model's F16 conversion (its manifest's ``phases_s``: the converter's
+    start, the vocabulary, the tensors, its exit), where its manifest is on disk and recorded them."""
+    m = load_manifest(model_folders(model_dir, "gguf_f16")["convert_f16"])
+    return (m or {}).get("phases_s") or None
+
+
+def quantized_elements(model_dir: Path, names) -> dict[str, dict[str, int]]:
+    """Per GGUF variant (its base name), the weights its file holds in each ggml type (its quantization manifest's
+    ``type_elements``), where on disk and recorded."""
+    out = {}
+    for name in names:
+        base = name.split("+", 1)[0]
+        m = load_manifest(model_folders(model_dir, base)["quantize"])
+        if (m or {}).get("type_elements"):
+            out[base] = m["type_elements"]
     return out

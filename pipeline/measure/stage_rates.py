@@ -9,9 +9,10 @@ the nearest size), carried by the ratio of its components (``TimeModel.by_compon
 read, reply tokens decoded, work per vocabulary entry, the original's own passes; a speed probe's worker start,
 load and generations); a one-off stage (conversion, parity, quantization) by a fixed part and a part that grows
 with the parameters where a run of another size with the same tokenizer on this CPU has it
-(``TimeModel._two_sizes``), else by the parameters. A run from this CPU (the same instruction-set key) is used as
-it is; one from another machine is scaled by the ratio of memory bandwidths, this machine's measured now in about
-a second: the short calibration.
+(``TimeModel._two_sizes``), else by the parameters; the F16 conversion by its recorded phases. Every wall is
+scaled by the ratio of memory bandwidths, the one its run recorded over this machine's measured now in about a
+second (the short calibration): from another CPU, and from this one too, whose readings move from day to day with
+its stage times; a model-level stage built in another run than the summary's by that run's reading.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class TimeModel:
     plan_speed: dict | None = None        # the planned run's speed protocol (``speed_protocol``)
     plan_parity_tokens: int | None = None  # reference.parity_tokens of the planned run
     others: list = field(default_factory=list)   # the other measured runs (a second size for one-off stages)
+    threads: int = 1                      # the planned run's runtime.n_threads (llama-quantize's threads)
+    quant_rates: object = None            # types -> {type: seconds per weight here} (quant_rates.seconds_per_weight)
 
     def _fill(self) -> float:
         """The measured run's replies' real length over their budget (replies stop before it)."""
@@ -99,6 +102,13 @@ class TimeModel:
         fixed = max(0.0, t2 - slope * s2)
         return fixed + slope * params, (f"{run.label} and {other.label}: {fixed:.1f} s fixed + "
                                         f"{slope * 1e9:.1f} s per billion parameters")
+
+    def _factor_of(self, stage: str, key: str) -> float:
+        """The calibration factor for one measured wall: the run's (its recorded bandwidth over this machine's),
+        or, for a model-level stage with a bandwidth reading of its own (``MeasuredRun.wall_bandwidths``: built
+        in another run than the summary's), that reading over this machine's."""
+        own, bw = self.run.wall_bandwidths.get((stage, key)), self.run.bandwidth_bytes_per_s
+        return self.factor * own / bw if own and bw else self.factor
 
     def _load_s(self, measured: str) -> float:
         """The measured variant's load: the fastest of the variants with its weights on its runtime (the original
@@ -184,6 +194,45 @@ class TimeModel:
         t = planned + rest * self.plan_vocab / run.vocab * tokens / run.parity_tokens
         return t, (f"{run.label} by component (both runtimes' loads and {tokens} tokens each; the rest, "
                    f"{rest:.1f} s, x{self.plan_vocab / run.vocab:.2g} with the vocabulary)")
+
+    def _conversion(self, wall: float, params: int) -> tuple[float, str] | None:
+        """The F16 conversion by its recorded phases (``MeasuredRun.convert_phases``): the converter's start and
+        exit and what the stage adds around the child as they are, the vocabulary and metadata grown with the
+        vocabulary, the tensors (every weight read and written) with the parameters. None without the phases."""
+        run, ph = self.run, self.run.convert_phases
+        if not (ph and all(ph.get(k) is not None for k in ("start", "vocabulary", "tensors", "exit"))):
+            return None
+        vocab = self.plan_vocab / run.vocab if self.plan_vocab and run.vocab else 1.0
+        fixed = max(0.0, wall - ph["vocabulary"] - ph["tensors"])
+        t = fixed + ph["vocabulary"] * vocab + ph["tensors"] * params / run.params
+        return t, (f"{run.label} by phase (start and exit {fixed:.1f} s; vocabulary {ph['vocabulary']:.1f} s "
+                   f"x{vocab:.2g}; tensors {ph['tensors']:.1f} s x{params / run.params:.2g} with the parameters)")
+
+    def _by_type(self, name: str, wall: float, planned: dict | None, nbytes: float, f16_bytes: float | None,
+                 factor: float) -> tuple[float, str] | None:
+        """A GGUF quantization by what llama-quantize does: every weight quantized at its ggml type's cost per weight
+        measured here now (``quant_rates``, on ``threads`` threads), and the F16 file read and the output written
+        at the seconds per byte the measured stage leaves for them (its wall less its quantization; rescaled by
+        ``factor``). None without both files' weights per type or the calibration."""
+        run = self.run
+        measured = run.quant_elements.get(name)
+        mbytes = (run.variants.get(name) or {}).get("bytes")
+        if not (measured and planned and f16_bytes and mbytes and self.quant_rates):
+            return None
+        rates = self.quant_rates(tuple(sorted(set(measured) | set(planned))))
+        if rates is None:
+            return None
+        threads = max(1, int(self.threads))
+
+        def compute(elements: dict) -> float:
+            return sum(n * rates[t] for t, n in elements.items()) / threads
+
+        m_f16 = (run.variants.get("gguf_f16") or {}).get("bytes") or 2 * sum(measured.values())
+        per_byte = max(0.0, wall - compute(measured)) / (m_f16 + mbytes)
+        quantizing, io = compute(planned), (f16_bytes + nbytes) * per_byte * factor
+        return quantizing + io, (f"{run.label} by type (quantizing {quantizing:.1f} s at this CPU's seconds per "
+                                 f"weight of each type on {threads} thread(s); reading and writing {io:.1f} s at "
+                                 f"the measured stage's {per_byte * 1e9:.2f} s per GB)")
 
     def _rows_cost(self, original_rates: dict | None, work: dict, fill: float) -> float:
         """The reference's exact rows (stages.reference.exact_rows): the original loaded on its runtime and every
@@ -278,7 +327,7 @@ class TimeModel:
     def estimate(self, stage: str, name: str, kind: str, nbytes: float, suites: list[str] | None = None,
                  params: int | None = None, extra: float = 1.0, load_levels: PlannedSweep | None = None,
                  source: str | None = None, builds_exact: bool = False, labels: int = 1,
-                 f16_bytes: float | None = None) -> tuple[float | None, str]:
+                 f16_bytes: float | None = None, type_elements: dict | None = None) -> tuple[float | None, str]:
         """(seconds, basis) of ``stage`` for the planned variant ``name``. ``load_levels``: the planned load sweep
         (``PlannedSweep``), by component (``_load_sweep``) where the measured run recorded its levels, else a level's
         measured time scaled by the time per decoded token up to load.max_seconds_per_level, the levels added up."""
@@ -292,24 +341,27 @@ class TimeModel:
             walls = [w for _, w in keyed]
             if not walls:
                 return None, f"no {stage} stage measured in {run.label}"
+            f = self._factor_of(stage, keyed[0][0])     # a model-level stage: its own bandwidth reading
             if stage == "baseline" and "original" in run.rates:
                 t = self.by_component("evaluate", "original", walls[0], nbytes, None, params)
                 if t is not None:
-                    return t * self.factor, f"{run.label} by component (original's speeds)"
+                    return t * f, f"{run.label} by component (original's speeds)"
             if stage != "baseline" and params and (fit := self._two_sizes(stage, keyed[0][0], walls[0], params)):
-                return fit[0] * self.factor, fit[1]
+                return fit[0] * f, fit[1]
             if stage == "parity" and params and (by := self._parity(walls[0], params, f16_bytes)) is not None:
-                return by[0] * self.factor, by[1]
+                return by[0] * f, by[1]
+            if stage == "convert_f16" and params and (by := self._conversion(walls[0], params)) is not None:
+                return by[0] * f, by[1]
             if stage == "convert_f16" and params and (start := self._worker_start()) is not None and walls[0] > start:
                 # the converter is a Python process importing torch and gguf-py: a worker's start, then its tensors
                 ratio = params / run.params
-                return ((start + (walls[0] - start) * ratio) * self.factor,
+                return ((start + (walls[0] - start) * ratio) * f,
                         f"{run.label}: a Python worker's start ({start:.1f} s, its speed stage's) + the rest "
                         f"x{ratio:.2g} (params)")
             if stage == "prepare" and source == "used in place":     # its facts written, the weights not read
-                return walls[0] * self.factor, f"{run.label} x1 (a folder used in place: not its size)"
+                return walls[0] * f, f"{run.label} x1 (a folder used in place: not its size)"
             ratio = (params or run.params) / run.params * (self._tokens() if stage == "baseline" else 1.0)
-            return walls[0] * ratio * self.factor, f"{run.label} x{ratio:.2g} (params{' x tokens' * (stage == 'baseline')})"
+            return walls[0] * ratio * f, f"{run.label} x{ratio:.2g} (params{' x tokens' * (stage == 'baseline')})"
         if stage == "reference":
             own = (stage, suites[0]) in run.walls
             walls = [run.walls[(stage, suites[0])]] if own else [w for (s, _), w in run.walls.items()
@@ -359,12 +411,15 @@ class TimeModel:
                 exact = " (the original's exact rows built here)" if builds_exact else ""
                 return t * extra * self.factor, f"{run.label}{via} by component{exact}"
         if stage == "quantize" and other == name and params:
+            f = self._factor_of(stage, name)
+            if (by := self._by_type(name, wall, type_elements, nbytes, f16_bytes, f)) is not None:
+                return by[0] * extra, by[1]
             if fit := self._two_sizes(stage, name, wall, params):
-                return fit[0] * extra * self.factor, fit[1]
+                return fit[0] * extra * f, fit[1]
             # the same recipe reads and quantizes every weight: it grows with the parameters, not with the file
             # (a small model's K-quant file is larger per weight: rows not a multiple of 256 fall back to 8 bits)
             ratio = params / run.params * extra
-            return wall * ratio * self.factor, f"{run.label} x{ratio:.2g} (params)"
+            return wall * ratio * f, f"{run.label} x{ratio:.2g} (params)"
         ratio = nbytes / (run.variants.get(other, {}).get("bytes") or nbytes)
         if stage in ("evaluate", "score", "baseline"):
             ratio *= self._tokens()

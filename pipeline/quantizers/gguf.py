@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -21,8 +22,8 @@ from pipeline.infra.child_processes import child_options
 from pipeline.infra.errors import ConfigError, raise_if_signalled
 from pipeline.quantizers.base import Quantizer, Skip
 from pipeline.infra.stage_cache import run_stage
-from pipeline.infra.gguf_file import fallback_tensors, tensor_types
-from pipeline.quantizers.gguf_convert import conversion_failure, known_pre_tokenizers
+from pipeline.infra.gguf_file import fallback_tensors, tensor_types, type_elements
+from pipeline.quantizers.gguf_convert import conversion_failure, conversion_phases, known_pre_tokenizers
 
 if TYPE_CHECKING:
     from pipeline.config.schema import Config
@@ -55,13 +56,16 @@ def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_
                "--outfile", str(tmp / F16_FILE), "--outtype", "f16", "--model-name", model_name]
         log.info("converting %s to F16 GGUF with llama.cpp's converter%s", checkpoint,
                  f" (BPE pre-tokenizer set to {pre!r})" if pre else "")
+        started = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, **child_options())
+        ended = time.time()
         raise_if_signalled(proc.returncode, "llama.cpp's converter", refusal(proc.stderr + proc.stdout))
         if proc.returncode != 0:
             # any conversion failure costs the GGUF variants only: a Skip with the converter's own cause
             raise Skip(conversion_failure(proc.stderr + proc.stdout, proc.returncode))
         return {"artifact": F16_FILE, "tensor_types": tensor_types(tmp / F16_FILE),
-                "gguf_pre_tokenizer_override": pre or None}
+                "gguf_pre_tokenizer_override": pre or None,
+                "phases_s": conversion_phases(proc.stderr, started, ended)}
 
     pre = cfg.model.gguf_pre_tokenizer
     if pre and pre not in known_pre_tokenizers(src):
@@ -265,4 +269,5 @@ class GGUFQuantizer(Quantizer):
                         "not a multiple of 256", self.variant.base, sum(fallback.values()),
                         sum(n for t, n in types.items() if t not in ("F32", "F16", "BF16")), self.gguf_type,
                         ", ".join(f"{t} {n}" for t, n in fallback.items()))
-        return {"artifact": name, "format": "gguf", "gguf_type": self.gguf_type, "tensor_types": types, **extra}
+        return {"artifact": name, "format": "gguf", "gguf_type": self.gguf_type, "tensor_types": types,
+                "type_elements": type_elements(tmp / name), **extra}

@@ -2,6 +2,10 @@
 pre-tokenizer name (``model.gguf_pre_tokenizer``) for a fine-tuned model whose tokenizer the converter does not
 recognise by its hash. Usage: python -m pipeline.quantizers.gguf_convert SRC PRE -- CONVERTER-ARGS...
 
+The wrapper also prints, on stderr, the Unix time at which the converter opened its output (imports and the
+model's config read), began writing its tensors (the vocabulary and metadata gathered) and finished them
+(``PHASE_MARK`` lines, read back by ``conversion_phases``): the planner carries each part by what it grows with.
+
 Also: the names the converter can write (``known_pre_tokenizers``) and the converter's failure text read into a
 named cause with the override that gets past it (``conversion_failure``). A leaf module (no project imports).
 """
@@ -46,12 +50,55 @@ def conversion_failure(text: str, returncode: int) -> str:
     return f"llama.cpp's converter failed (exit {returncode}): {last}"
 
 
+PHASE_MARK = "quantdrift-conversion-phase"
+# the converter's phases, in order, each ending at its mark: the start (an interpreter importing torch, the
+# converter and gguf-py, the model's config read), the vocabulary and metadata, the tensors read and written
+PHASES = ("start", "vocabulary", "tensors")
+
+
+def conversion_phases(text: str, started: float, ended: float) -> dict | None:
+    """Seconds of each phase of one conversion (``PHASES``, then ``exit``: the interpreter's exit after the last
+    tensor) from the marks in its stderr ``text``, ``started`` and ``ended`` the parent's Unix times around the
+    child; None without every mark (a converter that writes otherwise)."""
+    marks = dict(re.findall(rf"^{PHASE_MARK} (\w+) ([0-9.]+)$", text, flags=re.M))
+    if not all(name in marks for name in PHASES):
+        return None
+    times = [started, *(float(marks[name]) for name in PHASES), ended]
+    return {name: round(max(0.0, b - a), 3) for name, a, b in zip((*PHASES, "exit"), times, times[1:])}
+
+
+def _mark_phases() -> None:
+    """Print a ``PHASE_MARK`` line when the converter opens its GGUF writer and when it writes the tensors."""
+    import time
+
+    import gguf
+
+    def mark(name: str) -> None:
+        print(f"{PHASE_MARK} {name} {time.time():.3f}", file=sys.stderr, flush=True)
+
+    writer = gguf.GGUFWriter
+    init, write = writer.__init__, writer.write_tensors_to_file
+
+    def opened(self, *args, **kwargs):
+        mark("start")
+        return init(self, *args, **kwargs)
+
+    def tensors(self, *args, **kwargs):
+        mark("vocabulary")
+        out = write(self, *args, **kwargs)
+        mark("tensors")
+        return out
+
+    writer.__init__, writer.write_tensors_to_file = opened, tensors
+
+
 def main(argv: list[str]) -> None:
     import runpy
 
     src, pre = Path(argv[0]), argv[1]
     rest = argv[3:] if len(argv) > 2 and argv[2] == "--" else argv[2:]
     sys.path[:0] = [str(src / "gguf-py"), str(src)]
+    _mark_phases()
     if pre:
         from conversion.base import TextModel       # the vendored converter's own package
 

@@ -143,8 +143,12 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
         nbytes = sp.artifact_bytes(v)
         if kind != "original" and v.base not in bases_done:
             bases_done.add(v.base)
+            # a GGUF type without an importance matrix: its time by the weights of each ggml type it writes (F16 is
+            # a link to the conversion: nothing quantized, nothing read)
+            by_type = kind == "ggml" and not v.quantize.get("imatrix") and v.quantize["type"].upper() != "F16"
+            ggml = sp.gguf(v.quantize["type"].upper()) if by_type else {}
             add(sp.quantize(v), md / "variants" / v.base, time_kind(v), nbytes, extra=_calibration_ratio(v),
-                params=params)
+                params=params, type_elements=ggml.get("type_elements"), f16_bytes=sp.gguf("F16")["bytes"])
             if sp.standin(v):
                 add(sp.standin_stage(v), md / "variants" / f"{v.base}.dequantized", kind, nbytes, params=params)
         reuses = (v.name == original.name and not v.runtime_options.get("kv_cache")) or v.name == producer.name
@@ -251,6 +255,14 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
         plan["time_basis"] = ("no measured run under paths.results to scale from (the committed demo run "
                               "results/smollm2-135m-instruct/quick is one): times not estimated")
         return
+    from pipeline.measure.quant_rates import seconds_per_weight
+    from pipeline.infra.errors import ConfigError
+    from pipeline.infra.llama_tools import tools_dir
+
+    try:        # llama-quantize's own ggml build, where the tools are built (else the wheel's)
+        quant_tools = str(tools_dir(cfg.bench.llama_tools))
+    except ConfigError:
+        quant_tools = ""
     # this machine's bandwidth, measured at most once for all the runs that need it
     measure = functools.cache(functools.partial(measured_runs.bandwidth_here, cfg.runtime.n_threads))
 
@@ -268,7 +280,8 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
                          plan_vocab=int((plan.get("facts") or {}).get("vocab_size") or 0) or None,
                          plan_original_bytes=sp.original_bytes(),
                          plan_speed=measured_runs.speed_protocol(cfg.profile.speed), others=ranked,
-                         plan_parity_tokens=cfg.reference.parity_tokens)
+                         plan_parity_tokens=cfg.reference.parity_tokens, threads=cfg.runtime.n_threads,
+                         quant_rates=functools.partial(seconds_per_weight, tools=quant_tools))
 
     plan["time_basis"] = model(0).basis
     for fp in plan["rows"]:
@@ -283,7 +296,7 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
                                          params=a.get("params"), extra=a.get("extra", 1.0),
                                          load_levels=a.get("load_levels"), source=a.get("source"),
                                          builds_exact=a.get("builds_exact", False), labels=a.get("labels", 1),
-                                         f16_bytes=a.get("f16_bytes"))
+                                         f16_bytes=a.get("f16_bytes"), type_elements=a.get("type_elements"))
             if i == 0 or t is not None:
                 fp.time_s, fp.time_basis = t, basis
             if t is not None:
