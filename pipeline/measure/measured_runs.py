@@ -50,8 +50,8 @@ class MeasuredRun:
     load_levels: dict = field(default_factory=dict)  # variant -> [{concurrency, depth, requests, wall, ttft, e2e}]
     load_fixed_s: float | None = None   # a served variant's round less its levels (server start, load, guidellm)
     wall_bandwidths: dict = field(default_factory=dict)  # (stage, key) -> bytes/s read nearest a model stage
-    convert_phases: dict | None = None
-    quant_elements: dict = field(default_factory=dict)  # GGUF base variant -> {ggml type: weights in its file}  # its F16 conversion's phases (gguf_convert.PHASES, exit), where on disk
+    convert_phases: dict | None = None  # its F16 conversion's phases (gguf_convert.PHASES, exit), where on disk
+    quant_elements: dict = field(default_factory=dict)  # GGUF base variant -> {ggml type: weights in its file}
 
     @property
     def speed_labels(self) -> int:

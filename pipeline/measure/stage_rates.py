@@ -9,9 +9,10 @@ the nearest size), carried by the ratio of its components (``TimeModel.by_compon
 read, reply tokens decoded, work per vocabulary entry, the original's own passes; a speed probe's worker start,
 load and generations); a one-off stage (conversion, parity, quantization) by a fixed part and a part that grows
 with the parameters where a run of another size with the same tokenizer on this CPU has it
-(``TimeModel._two_sizes``), else by the parameters; the F16 conversion by its recorded phases. Every wall is
-scaled by the ratio of memory bandwidths, the one its run recorded over this machine's measured now in about a
-second (the short calibration): from another CPU, and from this one too, whose readings move from day to day with
+(``TimeModel._two_sizes``), else by the parameters; the F16 conversion by its recorded phases, a GGUF quantization
+by the weights of each ggml type (``TimeModel._by_type``, ``pipeline.measure.quant_rates``). Every wall is
+scaled by the ratio of memory bandwidths, the one its run recorded over this machine's measured now the same way
+in one to two seconds (the short calibration): from another CPU, and from this one too, whose readings move from day to day with
 its stage times; a model-level stage built in another run than the summary's by that run's reading.
 """
 
