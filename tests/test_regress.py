@@ -261,8 +261,11 @@ def test_the_gate_passes_a_rerun_and_fails_a_worse_file_under_an_existing_name(t
     trials) passes; the Q4_0 file evaluated under the name gguf_q8_0 fails, naming the variant and the metrics."""
     names = "run.variants=[original,gguf_q8_0]"
     # longer probes and three rounds than the smoke profile's, so that a 32-token prefill of a 3.5M-parameter
-    # model (a few ms, mostly scheduler noise) does not decide the speed intervals
-    speed = ("profile.speed.prompt_tokens=128", "profile.speed.decode_tokens=32", "profile.speed.trials=3")
+    # model (a few ms, mostly scheduler noise) does not decide the speed intervals; one thread, so that a neighbour
+    # taking one of the two cores for a while does not stall llama.cpp's thread barriers at every one of its
+    # 0.2 ms tokens (a clean-clone run saw Q8_0 decode 40 % slower against the control in the rerun alone)
+    speed = ("profile.speed.prompt_tokens=128", "profile.speed.decode_tokens=32", "profile.speed.trials=3",
+             "runtime.threads=1")
     # a random 3.5M-parameter model drifts in millionths of a nat: the default absolute floor of 0.001 nats (made
     # for real models) would hide a 100x worse file, so the gate here judges mean KLD on its relative tolerance
     gate = ("regress.tolerances.kld_mean.abs=0.0",)
