@@ -477,7 +477,8 @@ def test_a_run_is_rescaled_by_its_recorded_bandwidth_on_its_own_cpu_too():
     assert calibration_factor(run, "k", 2, recorded_here=60e9)[0] == pytest.approx(0.5)
     assert calibration_factor(run, "other", 2, measure=lambda: 15e9)[0] == pytest.approx(2.0)
     bare = _component_run(bandwidth_bytes_per_s=None)
-    assert calibration_factor(bare, "k", 2, measure=lambda: 1 / 0) == (1.0, "measured here (demo/quick, same CPU key k)")
+    assert calibration_factor(bare, "k", 2, measure=lambda: 1 / 0) == \
+        (1.0, "measured here (demo/quick, same CPU key k)")
     # a model-level stage built in another run carries that run's reading, not the summary's
     from pipeline.measure.stage_rates import TimeModel
 

@@ -222,7 +222,8 @@ def gguf_file(inv: Inventory, ftype: str, sizes: dict[str, tuple[int, int]]) -> 
         elements[kind] = elements.get(kind, 0) + t.elements
         total += tensor_bytes(t, kind, sizes) + GGUF_ALIGNMENT // 2
     total += GGUF_METADATA_BYTES_PER_TOKEN * int(inv.facts.get("vocab_size") or 0)
-    return {"bytes": total, "tensor_types": dict(sorted(types.items())), "type_elements": dict(sorted(elements.items()))}
+    return {"bytes": total, "tensor_types": dict(sorted(types.items())),
+            "type_elements": dict(sorted(elements.items()))}
 
 
 # ------------------------------------------------------------------ GPTQ / AWQ and dense copies

@@ -168,14 +168,16 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
         for key, mb in keys.items():
             mr.peaks_mb.setdefault((stage, key), mb)
     # the stages the summary leaves out, from their manifests where the run's artifacts are still on disk
-    from pipeline.measure.stage_folders import (conversion_phases, model_stage_bandwidths, model_stage_cpus,
-                                                quantized_elements, stage_walls)
+    from pipeline.measure.stage_folders import model_manifests, model_stage_bandwidths, model_stage_cpus, stage_walls
 
-    mr.walls.update(stage_walls(Path(artifacts) / model, run, variants))
-    mr.wall_cpus = model_stage_cpus(Path(artifacts) / model, variants)
-    mr.wall_bandwidths = model_stage_bandwidths(Path(artifacts) / model, variants)
-    mr.convert_phases = conversion_phases(Path(artifacts) / model)
-    mr.quant_elements = quantized_elements(Path(artifacts) / model, variants)
+    model_dir = Path(artifacts) / model
+    mr.walls.update(stage_walls(model_dir, run, variants))
+    manifests = model_manifests(model_dir, variants)
+    mr.wall_cpus = model_stage_cpus(manifests)
+    mr.wall_bandwidths = model_stage_bandwidths(model_dir, manifests)
+    mr.convert_phases = (manifests.get(("convert_f16", "-")) or {}).get("phases_s") or None
+    mr.quant_elements = {key: m["type_elements"] for (stage, key), m in manifests.items()
+                         if stage == "quantize" and m.get("type_elements")}
     return mr
 
 

@@ -19,13 +19,13 @@ import logging
 import time
 from pathlib import Path
 
+from pipeline.measure.footprint import UNQUANTIZED     # stored as they come: no quantization cost of their own
+
 log = logging.getLogger(__name__)
 
 # the matrix timed: 128 rows of 2048 (a multiple of every block size), best of _REPEATS
 _ROWS, _ROW = 128, 2048
 _REPEATS = 3
-# types stored as they come (a copy, no rounding search): no quantization cost of their own
-UNQUANTIZED = ("F32", "F16", "BF16")
 
 
 def _library(tools: str = "") -> Path | None:

@@ -73,12 +73,16 @@ def stage_folders(model_dir: Path, run_name: str, names, suites=(), bench_tasks=
 MODEL_STAGES = ("prepare", "convert_f16", "parity", "quantize", "standin")
 
 
-def _interval(folder: Path) -> tuple[float, float] | None:
-    """(start, end) of a stage in Unix seconds, from its manifest (written when the stage ended)."""
-    m = load_manifest(folder)
+def _span(m: dict | None) -> tuple[float, float] | None:
+    """(start, end) of a stage in Unix seconds, from its manifest ``m`` (written when the stage ended)."""
     if not m or m.get("wall_s") is None or not m.get("created_unix"):
         return None
     return float(m["created_unix"]) - float(m["wall_s"]), float(m["created_unix"])
+
+
+def _interval(folder: Path) -> tuple[float, float] | None:
+    """``_span`` of the stage in ``folder``."""
+    return _span(load_manifest(folder))
 
 
 def own_seconds(intervals: dict) -> dict:
@@ -115,12 +119,25 @@ def stage_walls(model_dir: Path, run_name: str, names) -> dict[tuple, float]:
     return out
 
 
-def model_stage_bandwidths(model_dir: Path, names) -> dict[tuple, float]:
+def model_manifests(model_dir: Path, names) -> dict[tuple, dict]:
+    """The manifests of the model-level stages a run's variants rest on (prepare, the F16 conversion, parity, each
+    quantization), keyed as the planner keys those stages ((stage, "-"), or ("quantize", the base variant)), where
+    on disk: read once for the CPUs, bandwidths, conversion phases and weights per type the planner takes."""
+    out = {}
+    for name in names:
+        for stage, folder in model_folders(model_dir, name).items():
+            key = (stage, "-" if stage != "quantize" else name.split("+", 1)[0])
+            if key not in out and (m := load_manifest(folder)):
+                out[key] = m
+    return out
+
+
+def model_stage_bandwidths(model_dir: Path, manifests: dict[tuple, dict]) -> dict[tuple, float]:
     """The memory bandwidth (bytes/s) this machine recorded nearest in time to each model-level stage of a run's
-    model, on the stage's own CPU: the reading (``runs/<run>/_bandwidth``, taken at a run's start) of the run that
-    built it, within a day. The stages a run rests on may have been built on another day than its summary's run
-    (its artifacts rebuilt after a clean), when the same machine read another bandwidth; the planner rescales each
-    wall by its own reading."""
+    model (``manifests``: ``model_manifests``), on the stage's own CPU: the reading (``runs/<run>/_bandwidth``, taken
+    at a run's start) of the run that built it, within a day. The stages a run rests on may have been built on
+    another day than its summary's run (its artifacts rebuilt after a clean), when the same machine read another
+    bandwidth; the planner rescales each wall by its own reading."""
     from pipeline.infra.files import read_json
 
     readings = []
@@ -131,45 +148,18 @@ def model_stage_bandwidths(model_dir: Path, names) -> dict[tuple, float]:
             if bw:
                 readings.append(((m.get("hardware") or {}).get("cpu_key"), float(m["created_unix"]), float(bw)))
     out = {}
-    for name in names:
-        for stage, folder in model_folders(model_dir, name).items():
-            m, span = load_manifest(folder), _interval(folder)
-            if not (m and span):
-                continue
-            cpu = (m.get("hardware") or {}).get("cpu_key")
-            near = [(abs(t - span[0]), bw) for key, t, bw in readings if key == cpu and abs(t - span[0]) < 86400]
-            if near:
-                out[(stage, "-" if stage != "quantize" else name.split("+", 1)[0])] = min(near)[1]
+    for key, m in manifests.items():
+        if (span := _span(m)) is None:
+            continue
+        cpu = (m.get("hardware") or {}).get("cpu_key")
+        near = [(abs(t - span[0]), bw) for k, t, bw in readings if k == cpu and abs(t - span[0]) < 86400]
+        if near:
+            out[key] = min(near)[1]
     return out
 
 
-def model_stage_cpus(model_dir: Path, names) -> dict[tuple, str]:
-    """The CPU (hardware.cpu_key) each model-level stage of a run's model was built on, from its manifest: the
-    artifacts a run rests on may come from another machine than the run itself (a checkout's artifacts folder kept
-    beside a committed summary)."""
-    out = {}
-    for name in names:
-        for stage, folder in model_folders(model_dir, name).items():
-            m = load_manifest(folder)
-            if m and (m.get("hardware") or {}).get("cpu_key"):
-                out[(stage, "-" if stage != "quantize" else name.split("+", 1)[0])] = m["hardware"]["cpu_key"]
-    return out
-
-
-def conversion_phases(model_dir: Path) -> dict | None:
-    """The seconds of each phase of the model's F16 conversion (its manifest's ``phases_s``: the converter's
-    start, the vocabulary, the tensors, its exit), where its manifest is on disk and recorded them."""
-    m = load_manifest(model_folders(model_dir, "gguf_f16")["convert_f16"])
-    return (m or {}).get("phases_s") or None
-
-
-def quantized_elements(model_dir: Path, names) -> dict[str, dict[str, int]]:
-    """Per GGUF variant (its base name), the weights its file holds in each ggml type (its quantization manifest's
-    ``type_elements``), where on disk and recorded."""
-    out = {}
-    for name in names:
-        base = name.split("+", 1)[0]
-        m = load_manifest(model_folders(model_dir, base)["quantize"])
-        if (m or {}).get("type_elements"):
-            out[base] = m["type_elements"]
-    return out
+def model_stage_cpus(manifests: dict[tuple, dict]) -> dict[tuple, str]:
+    """The CPU (hardware.cpu_key) each model-level stage of a run's model was built on (``manifests``:
+    ``model_manifests``): the artifacts a run rests on may come from another machine than the run itself (a
+    checkout's artifacts folder kept beside a committed summary)."""
+    return {key: m["hardware"]["cpu_key"] for key, m in manifests.items() if (m.get("hardware") or {}).get("cpu_key")}

@@ -12,8 +12,9 @@ with the parameters where a run of another size with the same tokenizer on this 
 (``TimeModel._two_sizes``), else by the parameters; the F16 conversion by its recorded phases, a GGUF quantization
 by the weights of each ggml type (``TimeModel._by_type``, ``pipeline.measure.quant_rates``). Every wall is
 scaled by the ratio of memory bandwidths, the one its run recorded over this machine's measured now the same way
-in one to two seconds (the short calibration): from another CPU, and from this one too, whose readings move from day to day with
-its stage times; a model-level stage built in another run than the summary's by that run's reading.
+in one to two seconds (the short calibration): from another CPU, and from this one too, whose readings move from
+day to day with its stage times; a model-level stage built in another run than the summary's by that run's
+reading.
 """
 
 from __future__ import annotations

@@ -256,7 +256,6 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
                               "results/smollm2-135m-instruct/quick is one): times not estimated")
         return
     from pipeline.measure.quant_rates import seconds_per_weight
-    from pipeline.infra.errors import ConfigError
     from pipeline.infra.llama_tools import tools_dir
 
     try:        # llama-quantize's own ggml build, where the tools are built (else the wheel's)
