@@ -1,5 +1,8 @@
 """Memory bandwidth of the host (or GPU), measured once per run, for the roofline column: decode is memory-bound,
-so decode tokens/s x bytes read per token / bandwidth says how close a runtime gets to the physical limit."""
+so decode tokens/s x bytes read per token / bandwidth says how close a runtime gets to the physical limit. Beside it
+on a CPU, its compute rate (a prompt-shaped matrix product): prefill is compute-bound, and the two move apart from
+day to day on a shared machine, so the planner rescales a run's prompt work by the one and its decoding by the
+other."""
 
 from __future__ import annotations
 
@@ -106,6 +109,35 @@ def measure_bandwidth(device: str = "cpu", mib: int = 512, repeats: int = 7, thr
                       f"best of {repeats}"}
 
 
+def measure_compute(threads: int | None = None, repeats: int = 7, rows: int = 512, width: int = 2048) -> dict:
+    """Best-of-``repeats`` float32 matrix product of a prompt batch through one layer (``rows`` x ``width`` by
+    ``width`` x ``width``: 4.3 GFLOP, tens of milliseconds) on ``threads`` BLAS threads, in FLOP/s, with the CPU
+    time other processes took meanwhile (``OtherCpu``). A reading of the cores' arithmetic (their clock, the share a
+    neighbour leaves them), as the bandwidth is of the memory: llama-bench on one Q8_0 file read 1.28x the prefill
+    and 1.46x the decode of a run two days before on the same CPU key, whose bandwidth had read 1.53x less."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    from pipeline.measure.probe import OtherCpu
+
+    threads = threads or usable_cpus()
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((rows, width), dtype=np.float32)
+    b = rng.standard_normal((width, width), dtype=np.float32)
+    c = np.empty((rows, width), dtype=np.float32)
+    best = float("inf")
+    with threadpool_limits(limits=threads, user_api="blas"):
+        np.matmul(a, b, out=c)                          # the BLAS threads started, the buffers touched
+        with OtherCpu() as other:
+            for _ in range(repeats):
+                t = time.perf_counter()
+                np.matmul(a, b, out=c)
+                best = min(best, time.perf_counter() - t)
+    return {"flops_per_s": 2 * rows * width * width / best, "threads": threads, "cpu_noise": other.share,
+            "method": f"numpy float32 matrix product {rows} x {width} by {width} x {width} on {threads} BLAS "
+                      f"thread(s), best of {repeats}"}
+
+
 def resolve_device(requested: str) -> str:
     """auto -> cuda when torch sees a GPU, else cpu; a cuda request without one is a clear error (exit 2)."""
     if requested == "cpu":
@@ -123,11 +155,14 @@ def run_bandwidth(cfg, device: str) -> dict:
     out_dir: Path = cfg.model_dir / "runs" / cfg.run.name / "_bandwidth"
 
     def build(tmp: Path) -> dict:
-        write_json(tmp / "bandwidth.json", measure_bandwidth(device, threads=cfg.runtime.n_threads))
+        reading = measure_bandwidth(device, threads=cfg.runtime.n_threads)
+        if device == "cpu":            # the planner's compute reading (a GPU's is not taken: it plans by bandwidth)
+            reading["compute"] = measure_compute(cfg.runtime.n_threads)
+        write_json(tmp / "bandwidth.json", reading)
         return {}
 
     run_stage("bandwidth", out_dir, {"device": device, "hardware": hardware(), "threads": cfg.runtime.n_threads,
-                                     "method": 2}, build, force=cfg.force)
+                                     "method": 3}, build, force=cfg.force)
     return read_json(out_dir / "bandwidth.json")
 
 
