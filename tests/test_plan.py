@@ -488,6 +488,32 @@ def test_a_run_is_rescaled_by_its_recorded_bandwidth_on_its_own_cpu_too():
     assert tm._factor_of("convert_f16", "-") == pytest.approx(30 / 45)
 
 
+def test_prompt_work_is_rescaled_by_compute_and_decoding_by_bandwidth():
+    """Prefill is compute-bound: on one CPU key llama-bench read 1.28x the prefill and 1.46x the decode of a run two
+    days before, whose bandwidth had read 1.53x less. A run with a compute reading has its prompt work rescaled by
+    it and the rest by bandwidth; without one (or a compared run without one) all by bandwidth."""
+    from pipeline.measure.bandwidth import measure_compute
+    from pipeline.measure.measured_runs import compute_factor
+    from pipeline.measure.stage_rates import TimeModel
+
+    run = _component_run(compute_flops_per_s=100e9)
+    factor, basis = compute_factor(run, measure=lambda: 125e9)
+    assert factor == pytest.approx(0.8) and "100 GFLOP/s" in basis and "125 GFLOP/s" in basis
+    assert compute_factor(run, recorded_here=50e9)[0] == pytest.approx(2.0)
+    assert compute_factor(run) == (None, "")                       # a compared run that took no reading
+    assert compute_factor(_component_run(), measure=lambda: 1 / 0) == (None, "")     # nothing to rescale
+    kw = dict(basis="", plan_budget={"s": 1000}, plan_work=run.work, plan_params=run.params, plan_vocab=run.vocab)
+    split = TimeModel(run=run, factor=2.0, compute_factor=1.0, **kw)
+    alike = TimeModel(run=run, factor=2.0, **kw)
+    # scoring: load 1 s + 2.5 s of prompt and reply tokens read + 46.5 s of vocabulary work
+    assert split.estimate("score", "q8", "ggml", 100e6)[0] == pytest.approx(2 * (1 + 46.5) + 1 * 2.5)
+    assert alike.estimate("score", "q8", "ggml", 100e6)[0] == pytest.approx(2 * 50.0)
+    # free-running: load 1 s + 2 s of prompts + 10 s of decoding make the 60 s wall's components
+    assert split.estimate("evaluate", "q8", "ggml", 100e6)[0] == pytest.approx(60.0 * (2 * 11 + 1 * 2) / 13)
+    r = measure_compute(1, repeats=2, rows=64, width=256)       # the reading itself: a real matrix product
+    assert r["flops_per_s"] > 1e8 and r["threads"] == 1 and "64 x 256" in r["method"]
+
+
 def test_the_conversion_carries_by_its_recorded_phases():
     """The converter's start and exit (and what the stage adds around it) as they are, its vocabulary work with
     the vocabulary, its tensors with the parameters."""

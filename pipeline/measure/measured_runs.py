@@ -1,6 +1,7 @@
 """The finished runs the planner takes its times from: each ``summary.json`` under paths.results read into a
 ``MeasuredRun`` (its stage walls, peaks, speed figures, token work and where each wall was measured), ranked for
-the planned model, and rescaled to this machine by memory bandwidth (the short calibration). The time model on
+the planned model, and rescaled to this machine by memory bandwidth and, for prompt work, by compute (the short
+calibration). The time model on
 them is ``pipeline.measure.stage_rates``."""
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class MeasuredRun:
     wall_bandwidths: dict = field(default_factory=dict)  # (stage, key) -> bytes/s read nearest a model stage
     convert_phases: dict | None = None  # its F16 conversion's phases (gguf_convert.PHASES, exit), where on disk
     quant_elements: dict = field(default_factory=dict)  # GGUF base variant -> {ggml type: weights in its file}
+    compute_flops_per_s: float | None = None  # its compute reading (bandwidth.measure_compute), where it took one
 
     @property
     def speed_labels(self) -> int:
@@ -118,6 +120,7 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
                      bandwidth_bytes_per_s=(s.get("bandwidth") or {}).get("bytes_per_s"), variants=variants,
                      vocab=(s.get("model") or {}).get("vocab_size"),
                      source_kind=source_kind((s.get("model") or {}).get("source") or ""))
+    mr.compute_flops_per_s = (((s.get("bandwidth") or {}).get("compute")) or {}).get("flops_per_s")
     for name in variants:
         v = s["variants"][name]
         sp = v.get("speed") or {}
@@ -239,6 +242,27 @@ def bandwidth_here(threads: int) -> float:
     from pipeline.measure.bandwidth import measure_bandwidth
 
     return measure_bandwidth("cpu", threads=threads)["bytes_per_s"]
+
+
+def compute_here(threads: int) -> float:
+    """This machine's compute rate in FLOP/s, measured now the way every run records its own (a third of a second)."""
+    from pipeline.measure.bandwidth import measure_compute
+
+    return measure_compute(threads)["flops_per_s"]
+
+
+def compute_factor(mr: MeasuredRun, measure=None, recorded_here: float | None = None) -> tuple[float | None, str]:
+    """(multiplier for the run's prompt work, what it rests on): the run's compute reading over this machine's,
+    measured now (``measure``) or ``recorded_here`` (a compared run's own reading). None where the run took no
+    reading (then its prompt work is rescaled by bandwidth like the rest) or a compared run has none."""
+    if not mr.compute_flops_per_s or (recorded_here is None and measure is None):
+        return None, ""
+    here = recorded_here or measure()
+    if not here:
+        return None, ""
+    return mr.compute_flops_per_s / here, (f"its prompt work by its compute reading "
+                                           f"({mr.compute_flops_per_s / 1e9:.0f} GFLOP/s) over this machine's "
+                                           f"({here / 1e9:.0f} GFLOP/s)")
 
 
 def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measure=None,

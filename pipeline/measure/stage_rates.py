@@ -14,7 +14,8 @@ by the weights of each ggml type (``TimeModel._by_type``, ``pipeline.measure.qua
 scaled by the ratio of memory bandwidths, the one its run recorded over this machine's measured now the same way
 in one to two seconds (the short calibration): from another CPU, and from this one too, whose readings move from
 day to day with its stage times; a model-level stage built in another run than the summary's by that run's
-reading.
+reading. Prompt tokens read (prefill, teacher-forced scoring) are compute-bound: where the run recorded a compute
+reading, that part is rescaled by the ratio of compute readings instead (``prefill_scale``).
 """
 
 from __future__ import annotations
@@ -57,19 +58,27 @@ class TimeModel:
     others: list = field(default_factory=list)   # the other measured runs (a second size for one-off stages)
     threads: int = 1                      # the planned run's runtime.n_threads (llama-quantize's threads)
     quant_rates: object = None            # types -> {type: seconds per weight here} (quant_rates.seconds_per_weight)
+    compute_factor: float | None = None   # the run's compute reading over this machine's (None: not recorded)
+
+    @property
+    def prefill_scale(self) -> float:
+        """What a planned prompt token's time is multiplied by so that, once every planned time is rescaled by the
+        bandwidth ``factor``, prompt work is rescaled by the compute reading instead (1 without one)."""
+        return self.compute_factor / self.factor if self.compute_factor and self.factor else 1.0
 
     def _fill(self) -> float:
         """The measured run's replies' real length over their budget (replies stop before it)."""
         budget = sum((self.run.reply_budget or {}).values())
         return min(1.0, self.run.scored_tokens / budget) if budget and self.run.scored_tokens else 1.0
 
-    def _rates(self, measured: str, nbytes: float, params: float) -> dict | None:
+    def _rates(self, measured: str, nbytes: float, params: float, planned: bool = False) -> dict | None:
         """Seconds per prefill token, per decoded token and to load, for a variant of ``nbytes`` bytes and
         ``params`` parameters, from the measured variant's speed figures: prefill is compute (per token it grows
         with the parameters); a decoded token reads every weight once (bytes over the run's measured bandwidth) on
         top of a fixed cost per token (the measured time per token less that read, which dominates a small model);
         loading is the measured load (mostly fixed costs on a small model: the runtime's start, a transformers
-        model's construction) plus one pass over the added bytes."""
+        model's construction) plus one pass over the added bytes. ``planned``: the planned run's, its prompt work
+        rescaled by compute rather than bandwidth (``prefill_scale``)."""
         r, v = self.run.rates.get(measured), self.run.variants.get(measured) or {}
         if not r or not v.get("bytes"):
             return None
@@ -80,7 +89,8 @@ class TimeModel:
             load += max(0.0, nbytes - mbytes) / bw
         else:
             per_token *= nbytes / mbytes
-        return {"prefill": params / self.run.params / r["prefill"], "decode": per_token, "load": load}
+        prefill = params / self.run.params / r["prefill"] * (self.prefill_scale if planned else 1.0)
+        return {"prefill": prefill, "decode": per_token, "load": load}
 
     def _two_sizes(self, stage: str, key: str, wall: float, params: int) -> tuple[float, str] | None:
         """A one-off stage (a conversion, the parity check, a quantization) at ``params`` from a fixed part and a
@@ -155,7 +165,7 @@ class TimeModel:
         ref = self._match("score", name, kind, nbytes)
         if not ref or ref[0] not in run.rates:
             return None
-        rates = self._rates(ref[0], nbytes, params or self.plan_params or run.params)
+        rates = self._rates(ref[0], nbytes, params or self.plan_params or run.params, planned=True)
         t = labels * (start + self._probe_cost(rates, self.plan_speed))
         via = "" if ref[0] == name else f" via {ref[0]}"
         return t, (f"{run.label}{via} by component ({labels} label{'s' * (labels > 1)}: a worker's start "
@@ -191,7 +201,7 @@ class TimeModel:
             return sum(self._read(r, n) for r in rates.values())
 
         measured = cost({n: self._rates(n, run.variants[n]["bytes"], run.params) for n in names}, run.parity_tokens)
-        planned = cost({n: self._rates(n, sizes[n], params) for n in names}, tokens)
+        planned = cost({n: self._rates(n, sizes[n], params, planned=True) for n in names}, tokens)
         rest = max(0.0, wall - measured)
         t = planned + rest * self.plan_vocab / run.vocab * tokens / run.parity_tokens
         return t, (f"{run.label} by component (both runtimes' loads and {tokens} tokens each; the rest, "
@@ -249,7 +259,7 @@ class TimeModel:
         run = self.run
         mbytes = (run.variants.get(measured) or {}).get("bytes") or 0
         return (self._rates(measured, mbytes, run.params),
-                self._rates(measured, nbytes, params or self.plan_params or run.params))
+                self._rates(measured, nbytes, params or self.plan_params or run.params, planned=True))
 
     def _cost(self, stage: str, rates: dict, work: dict, vocab: float, fill: float, per_row: float) -> float:
         """A stage's seconds by component: loading, prompt tokens read (each text once: the history's prefix is

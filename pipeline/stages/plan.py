@@ -94,10 +94,11 @@ def _built(folder: Path) -> bool:
 
 def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclude_run: str | None = None,
                inventory=None, workload=None, leave_out: bool = False,
-               bandwidth_here: float | None = None) -> dict:
+               bandwidth_here: float | None = None, compute_here: float | None = None) -> dict:
     """The stages of a run (every variant of ``variants``, default the run's) with their footprints and the
     totals of what is still to be built. ``exclude_run``: a measured run not to take times from; ``leave_out``:
-    never take a variant's time from its own measurement (a run compared with itself)."""
+    never take a variant's time from its own measurement (a run compared with itself); ``bandwidth_here``,
+    ``compute_here``: this machine's readings as a compared run recorded them (``_add_times``)."""
     from pipeline.measure.model_inventory import model_inventory
     from pipeline.measure.stage_plan import StagePlanner, Workload, time_kind, weight_kind
     from pipeline.stages.prepare import PREPARE_WORK, classify_source
@@ -176,7 +177,7 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
             "variants": [v.name for v in variants], "on_device": on_device, "workload": work.__dict__,
             "rows": rows, "time_basis": None}
     if with_times:
-        _add_times(cfg, plan, sp, exclude_run, leave_out, bandwidth_here)
+        _add_times(cfg, plan, sp, exclude_run, leave_out, bandwidth_here, compute_here)
     plan["totals"] = totals(rows)
     if on_device and cfg.runtime.gpus != 1:
         plan["device_blocks"] = device_blocks(inv, rows)
@@ -238,14 +239,15 @@ def _probe_ratio(cfg) -> float:
 
 
 def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = False,
-               bandwidth_here: float | None = None) -> None:
+               bandwidth_here: float | None = None, compute_here: float | None = None) -> None:
     """``bandwidth_here``: this machine's bandwidth as already measured (a compared run's own record), instead
-    of the calibration's measurement now."""
+    of the calibration's measurement now; with it, ``compute_here`` is that run's compute reading (None: it took
+    none, and prompt work is rescaled by bandwidth like the rest)."""
     from pipeline.infra.stage_cache import hardware
     import functools
 
     from pipeline.measure import measured_runs
-    from pipeline.measure.measured_runs import calibration_factor, find_runs, rank_runs
+    from pipeline.measure.measured_runs import calibration_factor, compute_factor, find_runs, rank_runs
     from pipeline.measure.stage_rates import TimeModel
 
     key = hardware().get("cpu_key")
@@ -264,6 +266,7 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
         quant_tools = ""
     # this machine's bandwidth, measured at most once for all the runs that need it
     measure = functools.cache(functools.partial(measured_runs.bandwidth_here, cfg.runtime.n_threads))
+    measure_compute = functools.cache(functools.partial(measured_runs.compute_here, cfg.runtime.n_threads))
 
     @functools.cache
     def model(i: int) -> TimeModel:
@@ -273,7 +276,12 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
         run.reply_budget = {s: w["reply_tokens"] for s, w in run.work.items()}
         factor, basis = calibration_factor(run, key, cfg.runtime.n_threads, measure=measure,
                                            recorded_here=bandwidth_here)
-        return TimeModel(run=run, factor=factor, basis=basis, leave_out=leave_out,
+        if bandwidth_here is None:
+            cfactor, cbasis = compute_factor(run, measure=measure_compute)
+        else:
+            cfactor, cbasis = compute_factor(run, recorded_here=compute_here)
+        basis = f"{basis}; {cbasis}" if cfactor else basis
+        return TimeModel(run=run, factor=factor, basis=basis, leave_out=leave_out, compute_factor=cfactor,
                          plan_budget={s: w["reply_tokens"] for s, w in sp.work.per_suite.items()},
                          plan_work=sp.work.per_suite, plan_params=plan["params"],
                          plan_vocab=int((plan.get("facts") or {}).get("vocab_size") or 0) or None,

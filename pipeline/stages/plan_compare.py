@@ -55,9 +55,10 @@ def compare_rows(cfg) -> dict:
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=summary["run"]["name"],
                                                             suites=list(summary["run"]["suites"]), variants=names))
     others = find_runs(Path(cfg.paths.results), Path(cfg.paths.artifacts), exclude=mr.label)
-    # another CPU's run is rescaled by the bandwidth this run recorded when it ran, not by a reading taken now
+    # another run is rescaled by the bandwidth (and compute) this run recorded when it ran, not by readings taken now
     plan = build_plan(cfg, variants=[variant_of(cfg, n) for n in names], exclude_run=mr.label if others else None,
-                      leave_out=not others, bandwidth_here=mr.bandwidth_bytes_per_s)
+                      leave_out=not others, bandwidth_here=mr.bandwidth_bytes_per_s,
+                      compute_here=mr.compute_flops_per_s)
     in_sample = ("prepare", "convert_f16", "parity", "reference", "standin", "baseline") if not others else ()
     rows = []
     for fp in plan["rows"]:
