@@ -17,7 +17,9 @@ Exit codes: 0 done; 2 bad input or configuration (the message says which and wha
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 
 from pipeline.config.schema import PROJECT_ROOT, Config
 from pipeline.infra.errors import ConfigError, Interrupted
@@ -179,6 +181,8 @@ def main() -> None:
     import hydra
 
     register_resolvers()
+    # force=true redoes a stage once per invocation (pipeline.infra.stage_cache.INVOCATION_ENV)
+    os.environ.setdefault("QUANTDRIFT_INVOCATION_START", repr(time.time()))
     sys.argv = [sys.argv[0]] + _translate(sys.argv[1:])
     entry = hydra.main(config_path=str(PROJECT_ROOT / "conf"), config_name="config", version_base="1.3")(_task)
     try:

@@ -6,9 +6,9 @@ import json
 from pipeline.runtimes import compute_dtype
 
 
-def _rates(fp32_over_bf16_prompt: float, fp32_over_bf16_decode: float) -> dict:
-    return {"bfloat16": {"prompt": 100.0, "decode": 10.0},
-            "float32": {"prompt": 100.0 * fp32_over_bf16_prompt, "decode": 10.0 * fp32_over_bf16_decode}}
+def _rates(fp32_over_half_prompt: float, fp32_over_half_decode: float, fp16: dict | None = None) -> dict:
+    return {"bfloat16": {"prompt": 100.0, "decode": 10.0}, "float16": fp16 or {"prompt": 100.0, "decode": 10.0},
+            "float32": {"prompt": 100.0 * fp32_over_half_prompt, "decode": 10.0 * fp32_over_half_decode}}
 
 
 def test_a_float32_checkpoint_stays_float32_even_where_bfloat16_is_faster():
@@ -21,6 +21,14 @@ def test_a_half_checkpoint_is_upcast_only_where_float32_is_faster_at_both_shapes
     assert compute_dtype.choose_cpu(_rates(5.0, 0.8), "bfloat16", None, None)[0] == "bfloat16"
     # the upcast must fit: 4 GiB of bf16 weights are 8 GiB in float32
     assert compute_dtype.choose_cpu(_rates(5.0, 1.2), "float16", 8 * 2**30, 9 * 2**30)[0] == "float16"
+
+
+def test_a_float16_checkpoint_is_judged_by_float16_s_own_rates():
+    """A CPU without native float16 kernels: bfloat16 twice float32's speed, float16 a tenth of it."""
+    rates = _rates(0.5, 0.5, fp16={"prompt": 5.0, "decode": 0.5})
+    dtype, why = compute_dtype.choose_cpu(rates, "float16", None, None)
+    assert dtype == "float32" and "float32 / float16" in why and "prompt 10.00x" in why
+    assert compute_dtype.choose_cpu(rates, "bfloat16", None, None)[0] == "bfloat16"
 
 
 def test_float32_weights_that_do_not_fit_the_memory_take_bfloat16_and_say_so():
@@ -44,7 +52,7 @@ def test_the_speeds_are_measured_once_per_cpu_and_kept(tmp_path, monkeypatch):
     real = compute_dtype.measure_rates
     monkeypatch.setattr(compute_dtype, "measure_rates", lambda t: calls.append(t) or real(t))
     first = compute_dtype.cpu_rates(1)
-    assert calls == [1] and set(first) == {"float32", "bfloat16"}
+    assert calls == [1] and set(first) == {"float32", "bfloat16", "float16"}
     assert all(first[d][s] > 0 for d in first for s in ("prompt", "decode"))
     assert compute_dtype.cpu_rates(1) == first and calls == [1]
     (record,) = tmp_path.glob("*.json")

@@ -5,7 +5,7 @@ import pytest
 from pipeline.infra.stage_cache import Journal, journal_path, load_manifest, run_stage
 
 
-def test_stage_is_skipped_when_its_key_matches_and_rebuilt_otherwise(tmp_path):
+def test_stage_is_skipped_when_its_key_matches_and_rebuilt_otherwise(tmp_path, monkeypatch):
     calls = []
 
     def build(tmp):
@@ -19,8 +19,18 @@ def test_stage_is_skipped_when_its_key_matches_and_rebuilt_otherwise(tmp_path):
     assert len(calls) == 1 and m1["key_hash"] == m2["key_hash"]
     run_stage("s", out, {"a": 2}, build)
     assert len(calls) == 2 and (out / "out.txt").read_text() == "build 2"
+    import time
+
+    from pipeline.infra.stage_cache import INVOCATION_ENV
+
+    monkeypatch.setenv(INVOCATION_ENV, repr(time.time()))      # a new invocation: what exists predates it
     run_stage("s", out, {"a": 2}, build, force=True)
     assert len(calls) == 3
+    run_stage("s", out, {"a": 2}, build, force=True)     # a second variant job of the same forced invocation
+    assert len(calls) == 3
+    monkeypatch.delenv(INVOCATION_ENV)          # called in-process, no invocation: force redoes it every time
+    run_stage("s", out, {"a": 2}, build, force=True)
+    assert len(calls) == 4
     assert load_manifest(out)["artifact"] == "out.txt"
 
 

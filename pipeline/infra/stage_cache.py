@@ -26,6 +26,18 @@ from pipeline.infra.stage_memory import StagePeak
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# when this invocation began: ``quantdrift`` sets it once, and its variant jobs and child processes inherit it, so
+# that force=true redoes each stage once per invocation, not once per variant job that passes through it
+INVOCATION_ENV = "QUANTDRIFT_INVOCATION_START"
+
+
+def invocation_start() -> float:
+    """The invocation's start (``INVOCATION_ENV``); without it (the pipeline called in-process, as the tests do)
+    infinity: force=true then redoes every stage it reaches."""
+    try:
+        return float(os.environ[INVOCATION_ENV])
+    except (KeyError, ValueError):
+        return float("inf")
 
 
 def library_versions() -> dict[str, str]:
@@ -101,7 +113,10 @@ def load_manifest(out_dir: Path) -> dict | None:
 
 
 def run_stage(stage: str, out_dir: Path, key: dict, build: Callable[[Path], dict | None], force: bool = False) -> dict:
-    """Run ``build(tmp_dir)`` unless ``out_dir`` already holds a manifest for the same ``key``.
+    """Run ``build(tmp_dir)`` unless ``out_dir`` already holds a manifest for the same ``key``; with ``force``,
+    unless that manifest was written during this invocation (``invocation_start``: a forced multirun rebuilt the
+    shared reference, parity and exact rows once in every variant job, and timed each scoring with rows it then
+    rebuilt).
 
     ``build`` writes its files into the temporary directory it is given and returns extra manifest fields
     (e.g. facts about the output). Returns the manifest. Upstream manifests' hashes belong in ``key``.
@@ -110,7 +125,8 @@ def run_stage(stage: str, out_dir: Path, key: dict, build: Callable[[Path], dict
     key_hash = stable_hash(key)
     with locked(out_dir):
         existing = load_manifest(out_dir)
-        if existing and existing.get("key_hash") == key_hash and not force:
+        if existing and existing.get("key_hash") == key_hash and (
+                not force or float(existing.get("created_unix") or 0) >= invocation_start()):
             damaged = _damaged_files(out_dir, existing.get("files"))
             if not damaged:
                 log.info("%s: up to date (%s), skipped", stage, out_dir)

@@ -54,6 +54,7 @@ class MeasuredRun:
     convert_phases: dict | None = None  # its F16 conversion's phases (gguf_convert.PHASES, exit), where on disk
     quant_elements: dict = field(default_factory=dict)  # GGUF base variant -> {ggml type: weights in its file}
     compute_flops_per_s: float | None = None  # its compute reading (bandwidth.measure_compute), where it took one
+    exactness: set = field(default_factory=set)   # variants whose scoring read the exact-sample transcript again
 
     @property
     def speed_labels(self) -> int:
@@ -128,8 +129,10 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
             mr.rates[name] = {"prefill": sp["prefill_tokens_per_s"], "decode": sp["decode_tokens_per_s"],
                               "load_s": sp.get("load_s") or 0.0}
         mr.scored_tokens = mr.scored_tokens or (v.get("drift") or {}).get("scored_tokens")
-        if mr.exact_builder is None and (v.get("drift") or {}).get("kld_stored_exact_ratio") is not None:
-            mr.exact_builder = name       # variants run in the summary's order; the first compared builds them
+        if (v.get("drift") or {}).get("kld_stored_exact_ratio") is not None:
+            mr.exactness.add(name)        # score.kld_exactness: its runtime read the longest transcript again
+            if mr.exact_builder is None:
+                mr.exact_builder = name   # variants run in the summary's order; the first compared builds them
         for task, b in (v.get("benchmarks") or {}).items():
             if b.get("samples"):
                 mr.bench_samples[(task, name)] = b["samples"]

@@ -246,6 +246,13 @@ class TimeModel:
                                  f"weight of each type on {threads} thread(s); reading and writing {io:.1f} s at "
                                  f"the measured stage's {per_byte * 1e9:.2f} s per GB)")
 
+    @staticmethod
+    def _exactness_cost(rates: dict, work: dict) -> float:
+        """A variant's check of its stored KLD against the exact one (stages.score.kld_exactness): its runtime,
+        already loaded, reads each suite's longest transcript once more for full-vocabulary rows. On a 1.24 B
+        model that pass (669 tokens) was 7 of the 21 s of a Q8_0 scoring; on the 135 M demo about 1.5 s a suite."""
+        return sum(w["context_tokens"] for w in work.values()) * rates["prefill"]
+
     def _rows_cost(self, original_rates: dict | None, work: dict, fill: float) -> float:
         """The reference's exact rows (stages.reference.exact_rows): the original loaded on its runtime and every
         transcript read once more (its prompts and its replies)."""
@@ -283,7 +290,9 @@ class TimeModel:
         measured wall leaves after its tokens. The original's own passes are components of their own: in every
         reference its exact rows (``_rows_cost``), in the scoring that builds them its exact-sample rows
         (``_exact_cost``: taken out of the measured wall where that variant built them, ``MeasuredRun.exact_builder``,
-        added where the planned one does, ``builds_exact``). None without speed figures or token counts."""
+        added where the planned one does, ``builds_exact``); in a scoring that checks its stored KLD against the
+        exact one (``MeasuredRun.exactness``), the variant's own pass over the longest transcripts
+        (``_exactness_cost``). None without speed figures or token counts."""
         run = self.run
         if not (self.plan_work and run.work and run.vocab and self.plan_vocab):
             return None
@@ -303,6 +312,9 @@ class TimeModel:
             else:
                 exact_m = self._exact_cost(morig, mwork) if measured == run.exact_builder else 0.0
                 exact_p = self._exact_cost(porig, pwork) if builds_exact else 0.0
+        if stage == "score" and measured in run.exactness:       # the planned variant is of the measured one's kind
+            exact_m += self._exactness_cost(mrates, mwork)
+            exact_p += self._exactness_cost(prates, pwork)
         base = self._cost(stage, mrates, mwork, run.vocab, fill, 0.0) + exact_m
         rows = sum(w["reply_tokens"] for w in mwork.values()) * fill * run.vocab
         per_row = max(0.0, wall - base) / rows if stage in ("score", "reference") and rows else 0.0

@@ -6,9 +6,11 @@ checkpoint, as deployed). On a CPU the checkpoint's own dtype, except that (1) a
 upcast to float32, which is lossless, where float32 is measured faster here at both a prompt-shaped and a
 decode-shaped forward (a CPU without native bf16 kernels) and its weights fit; (2) float32 weights that would not
 fit the memory available run in bfloat16, and the run says so. Speed is measured once per CPU, torch version and
-thread count on a small model-shaped forward (a few seconds, cached), never assumed: on one AVX-512 EPYC
-bfloat16 ran a 512-token prompt of the demo model's shape 4.5x faster than float32 with torch 2.13, where an
-earlier measurement of the real demo model had it 5x slower.
+thread count on a small model-shaped forward (a few seconds, cached), never assumed, each half dtype for itself: on
+one AVX-512 EPYC bfloat16 ran a 512-token prompt of the demo model's shape 4.5x faster than float32 with torch
+2.13, where an earlier measurement of the real demo model had it 5x slower; float16, which that CPU has no native
+matrix kernels for, read the prompt 3.1x slower than float32 and decoded 2.8x faster (this module's forward, two
+threads), so a float16 GPTQ or AWQ checkpoint keeps its dtype there.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-CANDIDATES = ("float32", "bfloat16")
+CANDIDATES = ("float32", "bfloat16", "float16")
 # the forward timed: a small Llama-shaped model (the operations of a real forward, not only its matrix products),
 # a prompt of _PROMPT tokens at once (compute-bound) and single-token decode steps (memory-bound)
 _SHAPE = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 2, "num_attention_heads": 16,
@@ -29,7 +31,7 @@ _PROMPT = 128
 _SECONDS_PER_SHAPE = 0.5
 # of the memory available, the share a model's weights may take in the chosen dtype
 _WEIGHTS_SHARE = 0.8
-_VERSION = 2
+_VERSION = 3       # 3: float16 measured too (a float16 checkpoint was judged by bfloat16's rates)
 
 
 def _cache_dir() -> Path:
@@ -88,13 +90,15 @@ def cpu_rates(threads: int) -> dict[str, dict[str, float]]:
 
 def choose_cpu(rates: dict[str, dict[str, float]], own: str | None, weights_fp32_bytes: int | None,
                available_bytes: int | None) -> tuple[str, str]:
-    """(dtype, why) on a CPU for a checkpoint of dtype ``own``, from measured rates and whether float32 fits."""
-    fp32, bf16 = rates["float32"], rates["bfloat16"]
-    measured = (f"float32 / bfloat16 forward speed measured here: prompt {fp32['prompt'] / bf16['prompt']:.2f}x, "
-                f"decode {fp32['decode'] / bf16['decode']:.2f}x")
+    """(dtype, why) on a CPU for a checkpoint of dtype ``own``, from measured rates and whether float32 fits: a
+    half checkpoint against its own dtype's rates, a float32 one against bfloat16's (its fallback)."""
+    half = own if own in ("bfloat16", "float16") else "bfloat16"
+    fp32, other = rates["float32"], rates[half]
+    measured = (f"float32 / {half} forward speed measured here: prompt {fp32['prompt'] / other['prompt']:.2f}x, "
+                f"decode {fp32['decode'] / other['decode']:.2f}x")
     fits = not (weights_fp32_bytes and available_bytes and weights_fp32_bytes > _WEIGHTS_SHARE * available_bytes)
     if own in ("bfloat16", "float16"):
-        if fits and fp32["prompt"] > bf16["prompt"] and fp32["decode"] > bf16["decode"]:
+        if fits and fp32["prompt"] > other["prompt"] and fp32["decode"] > other["decode"]:
             return "float32", f"the {own} checkpoint upcast to float32 (lossless; faster here: {measured})"
         return own, f"the checkpoint's own dtype ({measured})"
     if not fits:
