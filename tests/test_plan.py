@@ -514,6 +514,21 @@ def test_prompt_work_is_rescaled_by_compute_and_decoding_by_bandwidth():
     assert r["flops_per_s"] > 1e8 and r["threads"] == 1 and "64 x 256" in r["method"]
 
 
+def test_a_scoring_that_checks_its_exactness_reads_the_longest_transcript_again():
+    """score.kld_exactness has the variant's runtime read each suite's longest transcript once more: a component of
+    its own that grows with that transcript, not with the scored rows (7 of a 1.24 B Q8_0 scoring's 21 s)."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    checked, unchecked = _component_run(exactness={"q8"}), _component_run()
+    longer = {"s": {**checked.work["s"], "context_tokens": 3048}}       # 2,024 tokens more at 1 ms each
+    for run, extra in ((checked, 2.024), (unchecked, 0.0)):
+        kw = dict(basis="", plan_budget={"s": 1000}, plan_params=run.params, plan_vocab=run.vocab)
+        assert TimeModel(run=run, factor=1.0, plan_work=run.work, **kw).estimate(
+            "score", "q8", "ggml", 100e6)[0] == pytest.approx(50.0)
+        assert TimeModel(run=run, factor=1.0, plan_work=longer, **kw).estimate(
+            "score", "q8", "ggml", 100e6)[0] == pytest.approx(50.0 + extra)
+
+
 def test_the_conversion_carries_by_its_recorded_phases():
     """The converter's start and exit (and what the stage adds around it) as they are, its vocabulary work with
     the vocabulary, its tensors with the parameters."""
