@@ -111,6 +111,10 @@ def test_a_bench_task_runs_on_each_variants_runtime_into_summary_and_report(tiny
     assert run(cfg) == 0
     summary = json.loads((cfg.results_dir / "summary.json").read_text())
     assert summary["run"]["suites"] == ["smoke"] and summary["run"]["bench_tasks"] == ["business_mc"]
+    # the settings its token work was counted with, as it ran (a plan from this run reads them)
+    assert summary["run"]["workload"] == {"max_conversations": cfg.profile.max_conversations,
+                                          "max_new_tokens_cap": cfg.profile.max_new_tokens_cap,
+                                          "per_suite": cfg.profile.per_suite}
     task = summary["benchmarks"]["business_mc"]
     assert task["variants"] == variants and task["limit"] == 6 and task["reference"] == "original"
     assert task["task"]["task"] == "business_mc" and len(task["task"]["data_sha256"]) == 64

@@ -571,7 +571,7 @@ def test_guidellm_reports_are_parsed_per_level_in_seconds():
 
 def test_llama_bench_and_batched_bench_lines_are_read_as_the_tools_print_them():
     from pipeline.measure.batched_bench import parse_batched_bench
-    from pipeline.measure.bench import parse_llama_bench
+    from pipeline.infra.llama_tools import parse_llama_bench
 
     bench = ('{"build_commit": "unknown", "model_filename": "model-q8_0.gguf", "n_threads": 2, "n_prompt": 64, '
              '"n_gen": 0, "n_depth": 0, "avg_ns": 1296227939, "stddev_ns": 99854704, "avg_ts": 49.520970, '

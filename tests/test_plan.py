@@ -316,8 +316,10 @@ def test_stage_times_carry_by_their_components():
     doubled = {"s": {**run.work["s"], "reply_tokens": 2000}}
     longer = TimeModel(run=run, factor=1.0, basis="", plan_budget={"s": 2000}, plan_work=doubled,
                        plan_params=run.params, plan_vocab=run.vocab)
-    # free-running at the measured rates: 1 + 2000 / 1000 + 500 / 50 = 13 s of components for 60 s measured
-    assert longer.estimate("evaluate", "q8", "ggml", 100e6)[0] == pytest.approx(60.0 * (1 + 2 + 1000 / 50) / 13)
+    # free-running at the measured rates: 1 + 2000 / 1000 + 500 / 50 = 13 s of components for 60 s measured; of the
+    # 47 s left, 10 ms per reply token (half the measured 20) is free-running's own, the rest carried in proportion
+    assert longer.estimate("evaluate", "q8", "ggml", 100e6)[0] == pytest.approx(
+        60.0 * (1 + 2 + 1000 / 50 + 1000 * 0.010) / (13 + 500 * 0.010))
 
 
 def test_the_plan_takes_times_from_the_most_complete_run_and_not_a_prepare_of_another_source():
@@ -508,8 +510,9 @@ def test_prompt_work_is_rescaled_by_compute_and_decoding_by_bandwidth():
     # scoring: load 1 s + 2.5 s of prompt and reply tokens read + 46.5 s of vocabulary work
     assert split.estimate("score", "q8", "ggml", 100e6)[0] == pytest.approx(2 * (1 + 46.5) + 1 * 2.5)
     assert alike.estimate("score", "q8", "ggml", 100e6)[0] == pytest.approx(2 * 50.0)
-    # free-running: load 1 s + 2 s of prompts + 10 s of decoding make the 60 s wall's components
-    assert split.estimate("evaluate", "q8", "ggml", 100e6)[0] == pytest.approx(60.0 * (2 * 11 + 1 * 2) / 13)
+    # free-running: load 1 s + 2 s of prompts + 10 s of decoding + 5 s of its own per reply token (bounded) make
+    # the 60 s wall's components
+    assert split.estimate("evaluate", "q8", "ggml", 100e6)[0] == pytest.approx(60.0 * (2 * 16 + 1 * 2) / 18)
     r = measure_compute(1, repeats=2, rows=64, width=256)       # the reading itself: a real matrix product
     assert r["flops_per_s"] > 1e8 and r["threads"] == 1 and "64 x 256" in r["method"]
 
@@ -578,3 +581,79 @@ def test_quantization_costs_per_weight_are_measured_from_llama_cpp_s_own_ggml():
     assert rates is not None and rates["F16"] == rates["F32"] == 0.0
     assert 0 < rates["Q8_0"] < 1e-6 and rates["Q4_K"] > 3 * rates["Q8_0"]
     assert seconds_per_weight(("NOT_A_TYPE",)) is None
+
+
+def test_a_gguf_file_s_prompt_work_carries_by_its_ggml_types():
+    """llama.cpp repacks some types for its CPU matrix products, so a planned file mostly in types that read
+    prompts at half the cost per weight of the measured file's plans its prompt tokens at half the time per
+    parameter; F32 norm vectors have no matrix product; without either file's types or the measurement, the
+    parameters alone."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    run = _component_run(quant_elements={"q8": {"F32": 1000, "Q5_0": 80_000_000, "Q8_0": 20_000_000}})
+    rates = {"Q5_0": 8e-12, "Q8_0": 6e-12, "Q4_K": 4e-12, "Q6_K": 3e-12}
+    asked = []
+    kw = dict(factor=1.0, basis="", plan_budget={"s": 1000}, plan_work=run.work, plan_params=run.params,
+              plan_vocab=run.vocab)
+    tm = TimeModel(run=run, prompt_rates=lambda types: asked.append(types) or rates, **kw)
+    planned = {"F32": 5000, "Q4_K": 700_000_000, "Q6_K": 300_000_000}
+    factor = (0.7 * 4 + 0.3 * 3) / (0.8 * 8 + 0.2 * 6)
+    assert tm._rates("q8", 600e6, 10 * run.params, planned=True, types=planned)["prefill"] == pytest.approx(
+        10 / 1000.0 * factor)
+    assert asked[-1] == ("Q4_K", "Q5_0", "Q6_K", "Q8_0")
+    # scoring: load 1 s + 2.5 s of prompt and reply tokens read (carried) + 46.5 s of vocabulary work
+    t, basis = tm.estimate("score", "q8", "ggml", 100e6, type_elements=planned)
+    assert t == pytest.approx(1 + 2.5 * factor + 46.5) and f"prompt work x{factor:.2g} by ggml type" in basis
+    for other in (TimeModel(run=_component_run(), prompt_rates=lambda types: rates, **kw),
+                  TimeModel(run=run, prompt_rates=lambda types: None, **kw), TimeModel(run=run, **kw)):
+        assert other._rates("q8", 600e6, 10 * run.params, planned=True, types=planned)["prefill"] == pytest.approx(
+            10 / 1000.0)
+        assert other.estimate("score", "q8", "ggml", 100e6, type_elements=planned)[0] == pytest.approx(50.0)
+
+
+def test_free_running_s_own_cost_per_reply_token_carries_at_any_size():
+    """A free-running wall 5 s under its components (load 1 + prompts 2 + 500 replies at the probe's 20 ms = 13 s:
+    its loop decodes 10 ms a token faster than the speed probe measured) keeps that difference per reply token
+    at ten times the replies, rather than scaling every component by 8/13."""
+    from pipeline.measure.stage_rates import TimeModel
+
+    run = _component_run(walls={("evaluate", "q8"): 8.0})
+    longer = {"s": {**run.work["s"], "reply_tokens": 10_000}}
+    tm = TimeModel(run=run, factor=1.0, basis="", plan_budget={"s": 10_000}, plan_work=longer,
+                   plan_params=run.params, plan_vocab=run.vocab)
+    assert tm.estimate("evaluate", "q8", "ggml", 100e6)[0] == pytest.approx(1 + 2 + 5000 * (0.020 - 0.010))
+
+
+def test_a_measured_run_s_work_is_counted_with_the_settings_it_recorded(tiny_cfg):
+    """A run made with a reply cap on the command line records its workload settings; the plan counts its token
+    work with them, not with its profile file's."""
+    from pipeline.stages.plan import measured_work
+
+    cfg = tiny_cfg()
+    run = _component_run(profile="smoke", suites=["smoke"])
+    as_file = measured_work(cfg, run)
+    run.workload = {"max_conversations": 1, "max_new_tokens_cap": 4, "per_suite": {}}
+    capped = measured_work(cfg, run)
+    assert capped["smoke"]["conversations"] == 1 < as_file["smoke"]["conversations"]
+    assert capped["smoke"]["reply_tokens"] < as_file["smoke"]["reply_tokens"]
+
+
+def test_a_run_s_gguf_types_and_workload_are_read_from_its_summary(tmp_path):
+    """A finished run's summary carries each GGUF file's weights per ggml type and its workload settings, so a plan
+    from it on a clone without its artifacts still carries prompt work by type and counts the work it did; a KV
+    variant shares its base's file."""
+    from pipeline.measure.measured_runs import read_run
+
+    elements = {"F32": 100, "Q5_0": 1000, "Q8_0": 200}
+    ok = {"status": "ok", "runtime": "llamacpp", "memory": {"artifact_bytes": 1e6},
+          "artifact": {"gguf_type": "Q4_K_M", "type_elements": elements}}
+    summary = {"run": {"name": "quick", "profile": "quick", "suites": ["s"],
+                       "workload": {"max_conversations": 2, "max_new_tokens_cap": 64, "per_suite": {}}},
+               "model": {"name": "m", "params": 1_000_000}, "stage_times": {"variants": {}},
+               "variants": {"gguf_q4_k_m": ok, "gguf_q4_k_m+kv_q8_0": ok}}
+    path = tmp_path / "m" / "quick" / "summary.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(summary))
+    run = read_run(path, tmp_path / "artifacts")
+    assert run.quant_elements == {"gguf_q4_k_m": elements}
+    assert run.workload == {"max_conversations": 2, "max_new_tokens_cap": 64, "per_suite": {}}

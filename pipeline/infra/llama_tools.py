@@ -31,6 +31,13 @@ def tool(name: str, configured: str = "") -> Path:
     return path
 
 
+def parse_llama_bench(text: str) -> list[dict]:
+    """llama-bench -o jsonl: one dict per test line (n_prompt, n_gen, n_depth, avg_ts, stddev_ts, samples_ts)."""
+    import json
+
+    return [json.loads(line) for line in text.splitlines() if line.strip().startswith("{") and '"avg_ts"' in line]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # one run-time-selected build of llama.cpp for the tools and the pipeline
 #

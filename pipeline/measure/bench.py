@@ -11,6 +11,7 @@ import time
 from pipeline.config.schema import Config
 from pipeline.config.compose import variant_of
 from pipeline.infra.files import write_json
+from pipeline.infra.llama_tools import parse_llama_bench
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +79,6 @@ def run_bench(cfg: Config) -> int:
     write_json(cfg.results_dir / "bench.json", out)
     print(format_bench(out))
     return 0
-
-
-def parse_llama_bench(text: str) -> list[dict]:
-    """llama-bench -o jsonl: one dict per test line (n_prompt, n_gen, n_depth, avg_ts, stddev_ts, samples_ts)."""
-    import json
-
-    return [json.loads(line) for line in text.splitlines() if line.strip().startswith("{") and '"avg_ts"' in line]
 
 
 LLAMA_BENCH_REPETITIONS = 5      # llama-bench's own default (-r); the probe repeats as many times beside it

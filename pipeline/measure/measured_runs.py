@@ -12,6 +12,8 @@ from pathlib import Path
 # what one speed-probe label costs besides its worker's start: warmup + rounds x repeats generations of
 # prompt_tokens read and decode_tokens decoded (summary.speed_protocol; profile.speed, its trials the rounds)
 SPEED_PROTOCOL = ("rounds", "warmup", "repeats", "prompt_tokens", "decode_tokens")
+# the profile keys that set a run's token counts (config.schema.ProfileConfig), recorded in its summary
+WORKLOAD_KEYS = ("max_conversations", "max_new_tokens_cap", "per_suite")
 
 
 def speed_protocol(speed) -> dict:
@@ -55,6 +57,7 @@ class MeasuredRun:
     quant_elements: dict = field(default_factory=dict)  # GGUF base variant -> {ggml type: weights in its file}
     compute_flops_per_s: float | None = None  # its compute reading (bandwidth.measure_compute), where it took one
     exactness: set = field(default_factory=set)   # variants whose scoring read the exact-sample transcript again
+    workload: dict | None = None    # its profile's WORKLOAD_KEYS as it ran (None: a run from before they were recorded)
 
     @property
     def speed_labels(self) -> int:
@@ -122,8 +125,11 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
                      vocab=(s.get("model") or {}).get("vocab_size"),
                      source_kind=source_kind((s.get("model") or {}).get("source") or ""))
     mr.compute_flops_per_s = (((s.get("bandwidth") or {}).get("compute")) or {}).get("flops_per_s")
+    mr.workload = s["run"].get("workload")
     for name in variants:
         v = s["variants"][name]
+        if elements := (v.get("artifact") or {}).get("type_elements"):
+            mr.quant_elements.setdefault(variants[name]["base"], elements)
         sp = v.get("speed") or {}
         if sp.get("prefill_tokens_per_s") and sp.get("decode_tokens_per_s"):
             mr.rates[name] = {"prefill": sp["prefill_tokens_per_s"], "decode": sp["decode_tokens_per_s"],
@@ -182,8 +188,8 @@ def read_run(summary_path: Path, artifacts: Path) -> MeasuredRun | None:
     mr.wall_cpus = model_stage_cpus(manifests)
     mr.wall_bandwidths = model_stage_bandwidths(model_dir, manifests)
     mr.convert_phases = (manifests.get(("convert_f16", "-")) or {}).get("phases_s") or None
-    mr.quant_elements = {key: m["type_elements"] for (stage, key), m in manifests.items()
-                         if stage == "quantize" and m.get("type_elements")}
+    mr.quant_elements.update({key: m["type_elements"] for (stage, key), m in manifests.items()
+                              if stage == "quantize" and m.get("type_elements")})
     return mr
 
 

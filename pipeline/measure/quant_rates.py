@@ -37,20 +37,17 @@ def _library(tools: str = "") -> Path | None:
     return next((f / "libggml-base.so" for f in folders if (f / "libggml-base.so").is_file()), None)
 
 
-def _type_ids() -> dict[str, int]:
+def type_ids() -> dict[str, int]:
     from gguf.constants import GGMLQuantizationType
 
     return {t.name: int(t.value) for t in GGMLQuantizationType}
 
 
-@functools.lru_cache(maxsize=8)
-def seconds_per_weight(types: tuple[str, ...], tools: str = "") -> dict[str, float] | None:
-    """{type: seconds to quantize one weight on one thread} for ``types`` (an unquantized type: 0); None when no
-    ggml library is here or a type is not one this gguf package knows."""
-    import numpy as np
-
-    lib_path, ids = _library(tools), _type_ids()
-    if lib_path is None or any(t not in ids for t in types if t not in UNQUANTIZED):
+@functools.lru_cache(maxsize=4)
+def ggml_library(tools: str = ""):
+    """The ctypes handle of libggml-base (``_library``) with the quantization entry points declared; None if absent."""
+    lib_path = _library(tools)
+    if lib_path is None:
         return None
     lib = ctypes.CDLL(str(lib_path))
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
@@ -61,6 +58,32 @@ def seconds_per_weight(types: tuple[str, ...], tools: str = "") -> dict[str, flo
     lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
     lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
     lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+    return lib
+
+
+def quantize_rows(lib, type_id: int, x, imatrix=None):
+    """``x`` (rows, row length; float32, C-contiguous) in ggml type ``type_id`` as ggml stores it: uint8 of shape
+    (rows, bytes per row)."""
+    import numpy as np
+
+    rows, row = x.shape
+    lib.ggml_quantize_init(type_id)
+    size = lib.ggml_row_size(type_id, row)
+    dst = np.empty((rows, size), dtype=np.uint8)
+    lib.ggml_quantize_chunk(type_id, x.ctypes.data, dst.ctypes.data, 0, rows, row,
+                            None if imatrix is None else imatrix.ctypes.data)
+    return dst
+
+
+@functools.lru_cache(maxsize=8)
+def seconds_per_weight(types: tuple[str, ...], tools: str = "") -> dict[str, float] | None:
+    """{type: seconds to quantize one weight on one thread} for ``types`` (an unquantized type: 0); None when no
+    ggml library is here or a type is not one this gguf package knows."""
+    import numpy as np
+
+    lib, ids = ggml_library(tools), type_ids()
+    if lib is None or any(t not in ids for t in types if t not in UNQUANTIZED):
+        return None
     x = np.random.default_rng(0).standard_normal((_ROWS, _ROW)).astype(np.float32) * 0.02
     out = {}
     for name in types:
@@ -70,12 +93,10 @@ def seconds_per_weight(types: tuple[str, ...], tools: str = "") -> dict[str, flo
         t = ids[name]
         if lib.ggml_quantize_requires_imatrix(t):     # never quantized without one: nothing to time it on
             return None
-        lib.ggml_quantize_init(t)
-        dst = ctypes.create_string_buffer(lib.ggml_row_size(t, _ROW) * _ROWS)
         best = float("inf")
         for _ in range(_REPEATS):
             start = time.perf_counter()
-            lib.ggml_quantize_chunk(t, x.ctypes.data, dst, 0, _ROWS, _ROW, None)
+            quantize_rows(lib, t, x)
             best = min(best, time.perf_counter() - start)
         out[name] = best / (_ROWS * _ROW)
     log.debug("quantization seconds per weight here: %s", out)

@@ -7,15 +7,18 @@ the F16 conversion, parity, the dequantized stand-ins, the original's own free-r
 takes the time of the same stage of the same variant (else of the measured variant of the same weight kind with
 the nearest size), carried by the ratio of its components (``TimeModel.by_component``: loading, prompt tokens
 read, reply tokens decoded, work per vocabulary entry, the original's own passes; a speed probe's worker start,
-load and generations); a one-off stage (conversion, parity, quantization) by a fixed part and a part that grows
-with the parameters where a run of another size with the same tokenizer on this CPU has it
-(``TimeModel._two_sizes``), else by the parameters; the F16 conversion by its recorded phases, a GGUF quantization
-by the weights of each ggml type (``TimeModel._by_type``, ``pipeline.measure.quant_rates``). Every wall is
+load and generations; what a free-running wall leaves beside them, per decoded token); a one-off stage (conversion, parity, quantization) by a fixed part and a part that grows
+with the parameters where a run of another size with the same tokenizer on this CPU has it, else by the
+parameters; the F16 conversion by its recorded phases, a GGUF quantization by the weights of each ggml type (these
+in ``pipeline.measure.one_off_rates``). Every wall is
 scaled by the ratio of memory bandwidths, the one its run recorded over this machine's measured now the same way
 in one to two seconds (the short calibration): from another CPU, and from this one too, whose readings move from
 day to day with its stage times; a model-level stage built in another run than the summary's by that run's
 reading. Prompt tokens read (prefill, teacher-forced scoring) are compute-bound: where the run recorded a compute
-reading, that part is rescaled by the ratio of compute readings instead (``prefill_scale``).
+reading, that part is rescaled by the ratio of compute readings instead (``prefill_scale``), and for a GGUF file
+carried from the measured file's ggml types to the planned one's by each type's prompt rate measured here
+(``pipeline.measure.prompt_rates``): llama.cpp repacks some types for its CPU matrix products, so a small model's
+K-quant file (mostly fallback types) reads prompts at another speed per weight than a large model's.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.measure.measured_runs import MeasuredRun
+from pipeline.measure.one_off_rates import conversion, quantization_by_type, two_sizes
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class TimeModel:
     threads: int = 1                      # the planned run's runtime.n_threads (llama-quantize's threads)
     quant_rates: object = None            # types -> {type: seconds per weight here} (quant_rates.seconds_per_weight)
     compute_factor: float | None = None   # the run's compute reading over this machine's (None: not recorded)
+    prompt_rates: object = None           # types -> {type: s per prompt token per weight here} (prompt_rates.py)
 
     @property
     def prefill_scale(self) -> float:
@@ -71,14 +76,35 @@ class TimeModel:
         budget = sum((self.run.reply_budget or {}).values())
         return min(1.0, self.run.scored_tokens / budget) if budget and self.run.scored_tokens else 1.0
 
-    def _rates(self, measured: str, nbytes: float, params: float, planned: bool = False) -> dict | None:
+    def _type_factor(self, measured: str, types: dict | None) -> float:
+        """A planned GGUF file's prompt work per weight over the measured variant's file's: each file's matrix
+        weights (``types``, ``MeasuredRun.quant_elements``) at each ggml type's seconds per weight measured here
+        (``prompt_rates``). 1 where a file's types or the measurement are missing."""
+        from pipeline.measure.prompt_rates import NO_PRODUCT
+
+        mine = self.run.quant_elements.get((self.run.variants.get(measured) or {}).get("base") or measured)
+        planned, mine = ({t: n for t, n in (e or {}).items() if t not in NO_PRODUCT} for e in (types, mine))
+        rates = self.prompt_rates(tuple(sorted(set(planned) | set(mine)))) if planned and mine and \
+            self.prompt_rates else None
+        if not rates:
+            return 1.0
+        mean = [sum(n * rates[t] for t, n in e.items()) / sum(e.values()) for e in (planned, mine)]
+        return mean[0] / mean[1]
+
+    def _types_note(self, measured: str, types: dict | None) -> str:
+        f = self._type_factor(measured, types) if types else 1.0
+        return f" (prompt work x{f:.2g} by ggml type)" if abs(f - 1.0) > 0.005 else ""
+
+    def _rates(self, measured: str, nbytes: float, params: float, planned: bool = False,
+               types: dict | None = None) -> dict | None:
         """Seconds per prefill token, per decoded token and to load, for a variant of ``nbytes`` bytes and
         ``params`` parameters, from the measured variant's speed figures: prefill is compute (per token it grows
         with the parameters); a decoded token reads every weight once (bytes over the run's measured bandwidth) on
         top of a fixed cost per token (the measured time per token less that read, which dominates a small model);
         loading is the measured load (mostly fixed costs on a small model: the runtime's start, a transformers
         model's construction) plus one pass over the added bytes. ``planned``: the planned run's, its prompt work
-        rescaled by compute rather than bandwidth (``prefill_scale``)."""
+        rescaled by compute rather than bandwidth (``prefill_scale``) and carried from the measured file's ggml types to
+        the planned file's ``types`` (``_type_factor``)."""
         r, v = self.run.rates.get(measured), self.run.variants.get(measured) or {}
         if not r or not v.get("bytes"):
             return None
@@ -89,31 +115,9 @@ class TimeModel:
             load += max(0.0, nbytes - mbytes) / bw
         else:
             per_token *= nbytes / mbytes
-        prefill = params / self.run.params / r["prefill"] * (self.prefill_scale if planned else 1.0)
+        scale = self.prefill_scale * self._type_factor(measured, types) if planned else 1.0
+        prefill = params / self.run.params / r["prefill"] * scale
         return {"prefill": prefill, "decode": per_token, "load": load}
-
-    def _two_sizes(self, stage: str, key: str, wall: float, params: int) -> tuple[float, str] | None:
-        """A one-off stage (a conversion, the parity check, a quantization) at ``params`` from a fixed part and a
-        part that grows with the parameters, fitted on this run's wall and the same stage of another run on the same
-        CPU and vocabulary whose model is at least twice smaller or larger (the one furthest in size): on a small
-        model the fixed part (an interpreter's start, imports, reading the tokenizer) is most of the time, so one
-        size scaled by the parameters alone over-plans a large one. The fixed part depends on the tokenizer (the
-        converter reads and checks the whole vocabulary), so only runs with the same vocabulary size pair. The CPU
-        is each wall's own (``MeasuredRun.cpu_of``); a prepare stage pairs only with one that prepared the same kind
-        of source. None without such a run."""
-        run, cpu = self.run, self.run.cpu_of(stage, key)
-        pairs = [(o.params, o.walls[(stage, key)], o) for o in self.others
-                 if o is not run and cpu and o.cpu_of(stage, key) == cpu and (stage, key) in o.walls
-                 and o.vocab == run.vocab and max(o.params, run.params) >= 2 * min(o.params, run.params)
-                 and (stage != "prepare" or o.source_kind == run.source_kind)]
-        if not pairs or run.params <= 0:
-            return None
-        size, other_wall, other = max(pairs, key=lambda p: max(p[0], run.params) / min(p[0], run.params))
-        (s1, t1), (s2, t2) = sorted([(size, other_wall), (run.params, wall)])
-        slope = max(0.0, (t2 - t1) / (s2 - s1))
-        fixed = max(0.0, t2 - slope * s2)
-        return fixed + slope * params, (f"{run.label} and {other.label}: {fixed:.1f} s fixed + "
-                                        f"{slope * 1e9:.1f} s per billion parameters")
 
     def _factor_of(self, stage: str, key: str) -> float:
         """The calibration factor for one measured wall: the run's (its recorded bandwidth over this machine's),
@@ -154,7 +158,7 @@ class TimeModel:
                                     + protocol["decode_tokens"] * rates["decode"])
 
     def _speed(self, name: str, kind: str, nbytes: float, params: int | None,
-               labels: int) -> tuple[float, str] | None:
+               labels: int, types: dict | None = None) -> tuple[float, str] | None:
         """The speed stage's time for one variant (``labels``: 2 for the A/A control) by component: each label's
         model load and generations at the planned size, plus each label's share of what the measured stage's wall
         leaves after its own labels' components (a probe worker's start: the interpreter, the runtime's imports,
@@ -165,11 +169,11 @@ class TimeModel:
         ref = self._match("score", name, kind, nbytes)
         if not ref or ref[0] not in run.rates:
             return None
-        rates = self._rates(ref[0], nbytes, params or self.plan_params or run.params, planned=True)
+        rates = self._rates(ref[0], nbytes, params or self.plan_params or run.params, planned=True, types=types)
         t = labels * (start + self._probe_cost(rates, self.plan_speed))
         via = "" if ref[0] == name else f" via {ref[0]}"
         return t, (f"{run.label}{via} by component ({labels} label{'s' * (labels > 1)}: a worker's start "
-                   f"{start:.1f} s + its load and probes)")
+                   f"{start:.1f} s + its load and probes){self._types_note(ref[0], types)}")
 
     def _worker_start(self) -> float | None:
         """A Python worker's start with the runtimes' imports (the interpreter, torch or llama.cpp, the CPU checks),
@@ -207,45 +211,6 @@ class TimeModel:
         return t, (f"{run.label} by component (both runtimes' loads and {tokens} tokens each; the rest, "
                    f"{rest:.1f} s, x{self.plan_vocab / run.vocab:.2g} with the vocabulary)")
 
-    def _conversion(self, wall: float, params: int) -> tuple[float, str] | None:
-        """The F16 conversion by its recorded phases (``MeasuredRun.convert_phases``): the converter's start and
-        exit and what the stage adds around the child as they are, the vocabulary and metadata grown with the
-        vocabulary, the tensors (every weight read and written) with the parameters. None without the phases."""
-        run, ph = self.run, self.run.convert_phases
-        if not (ph and all(ph.get(k) is not None for k in ("start", "vocabulary", "tensors", "exit"))):
-            return None
-        vocab = self.plan_vocab / run.vocab if self.plan_vocab and run.vocab else 1.0
-        fixed = max(0.0, wall - ph["vocabulary"] - ph["tensors"])
-        t = fixed + ph["vocabulary"] * vocab + ph["tensors"] * params / run.params
-        return t, (f"{run.label} by phase (start and exit {fixed:.1f} s; vocabulary {ph['vocabulary']:.1f} s "
-                   f"x{vocab:.2g}; tensors {ph['tensors']:.1f} s x{params / run.params:.2g} with the parameters)")
-
-    def _by_type(self, name: str, wall: float, planned: dict | None, nbytes: float, f16_bytes: float | None,
-                 factor: float) -> tuple[float, str] | None:
-        """A GGUF quantization by what llama-quantize does: every weight quantized at its ggml type's cost per weight
-        measured here now (``quant_rates``, on ``threads`` threads), and the F16 file read and the output written
-        at the seconds per byte the measured stage leaves for them (its wall less its quantization; rescaled by
-        ``factor``). None without both files' weights per type or the calibration."""
-        run = self.run
-        measured = run.quant_elements.get(name)
-        mbytes = (run.variants.get(name) or {}).get("bytes")
-        if not (measured and planned and f16_bytes and mbytes and self.quant_rates):
-            return None
-        rates = self.quant_rates(tuple(sorted(set(measured) | set(planned))))
-        if rates is None:
-            return None
-        threads = max(1, int(self.threads))
-
-        def compute(elements: dict) -> float:
-            return sum(n * rates[t] for t, n in elements.items()) / threads
-
-        m_f16 = (run.variants.get("gguf_f16") or {}).get("bytes") or 2 * sum(measured.values())
-        per_byte = max(0.0, wall - compute(measured)) / (m_f16 + mbytes)
-        quantizing, io = compute(planned), (f16_bytes + nbytes) * per_byte * factor
-        return quantizing + io, (f"{run.label} by type (quantizing {quantizing:.1f} s at this CPU's seconds per "
-                                 f"weight of each type on {threads} thread(s); reading and writing {io:.1f} s at "
-                                 f"the measured stage's {per_byte * 1e9:.2f} s per GB)")
-
     @staticmethod
     def _exactness_cost(rates: dict, work: dict) -> float:
         """A variant's check of its stored KLD against the exact one (stages.score.kld_exactness): its runtime,
@@ -261,12 +226,14 @@ class TimeModel:
         tokens = sum(w.get("prefill_tokens", w["prompt_tokens"]) + w["reply_tokens"] * fill for w in work.values())
         return self._read(original_rates, tokens)
 
-    def _rate_pair(self, measured: str, nbytes: float, params: int | None) -> tuple[dict | None, dict | None]:
-        """The measured variant's rates at its own size and at the planned one (``_rates``)."""
+    def _rate_pair(self, measured: str, nbytes: float, params: int | None,
+                   types: dict | None = None) -> tuple[dict | None, dict | None]:
+        """The measured variant's rates at its own size and at the planned one (``_rates``; ``types``: the planned
+        file's weights per ggml type)."""
         run = self.run
         mbytes = (run.variants.get(measured) or {}).get("bytes") or 0
         return (self._rates(measured, mbytes, run.params),
-                self._rates(measured, nbytes, params or self.plan_params or run.params, planned=True))
+                self._rates(measured, nbytes, params or self.plan_params or run.params, planned=True, types=types))
 
     def _cost(self, stage: str, rates: dict, work: dict, vocab: float, fill: float, per_row: float) -> float:
         """A stage's seconds by component: loading, prompt tokens read (each text once: the history's prefix is
@@ -284,7 +251,7 @@ class TimeModel:
 
     def by_component(self, stage: str, measured: str, wall: float, nbytes: float, suites: list[str] | None,
                      params: int | None, measured_suites: list[str] | None = None,
-                     builds_exact: bool = False) -> float | None:
+                     builds_exact: bool = False, types: dict | None = None) -> float | None:
         """The measured stage's wall carried to the planned one by the ratio of their component costs (each at its
         own size, token counts and vocabulary); scoring's and the reference's cost per vocabulary entry is what the
         measured wall leaves after its tokens. The original's own passes are components of their own: in every
@@ -296,7 +263,7 @@ class TimeModel:
         run = self.run
         if not (self.plan_work and run.work and run.vocab and self.plan_vocab):
             return None
-        mrates, prates = self._rate_pair(measured, nbytes, params)
+        mrates, prates = self._rate_pair(measured, nbytes, params, types)
         if mrates is None or prates is None:
             return None
         pwork = {s: w for s, w in self.plan_work.items() if s in (suites or self.plan_work)}
@@ -321,6 +288,18 @@ class TimeModel:
         measured_cost = self._cost(stage, mrates, mwork, run.vocab, fill, per_row) + exact_m
         if measured_cost <= 0 or not pwork or not mwork:
             return None
+        replies = [sum(w["reply_tokens"] for w in work.values()) * fill for work in (mwork, pwork)]
+        if stage == "evaluate" and replies[0]:
+            # free-running's own cost per decoded token beside the probe's (its sampling loop, the contexts it
+            # decodes at): what the wall leaves after its components, per reply token, at any size, up to half the
+            # measured time per decoded token either way (a stage of few replies must not make its noise most of a
+            # larger plan); what is left beyond that bound is carried with the components
+            bound = 0.5 * mrates["decode"]
+            per_token = min(bound, max(-bound, (wall - base) / replies[0]))
+            measured_cost = base + replies[0] * per_token
+            planned = self._cost(stage, prates, pwork, self.plan_vocab, fill, 0.0) + replies[1] * per_token
+            if measured_cost > 0 and planned > 0:
+                return wall * planned / measured_cost
         return wall * (self._cost(stage, prates, pwork, self.plan_vocab, fill, per_row) + exact_p) / measured_cost
 
     def _tokens(self, suites: list[str] | None = None) -> float:
@@ -370,11 +349,11 @@ class TimeModel:
                 t = self.by_component("evaluate", "original", walls[0], nbytes, None, params)
                 if t is not None:
                     return t * f, f"{run.label} by component (original's speeds)"
-            if stage != "baseline" and params and (fit := self._two_sizes(stage, keyed[0][0], walls[0], params)):
+            if stage != "baseline" and params and (fit := two_sizes(run, self.others, stage, keyed[0][0], walls[0], params)):
                 return fit[0] * f, fit[1]
             if stage == "parity" and params and (by := self._parity(walls[0], params, f16_bytes)) is not None:
                 return by[0] * f, by[1]
-            if stage == "convert_f16" and params and (by := self._conversion(walls[0], params)) is not None:
+            if stage == "convert_f16" and params and (by := conversion(run, walls[0], params, self.plan_vocab)) is not None:
                 return by[0] * f, by[1]
             if stage == "convert_f16" and params and (start := self._worker_start()) is not None and walls[0] > start:
                 # the converter is a Python process importing torch and gguf-py: a worker's start, then its tensors
@@ -404,16 +383,16 @@ class TimeModel:
         if stage in ("speed", "load"):
             if (stage, "*") not in run.walls:
                 return None, f"no {stage} stage in {run.label}"
-            if stage == "speed" and (by := self._speed(name, kind, nbytes, params, labels)) is not None:
+            if stage == "speed" and (by := self._speed(name, kind, nbytes, params, labels, type_elements)):
                 return by[0] * self.factor, by[1]
             per = run.walls[(stage, "*")] / (run.speed_labels if stage == "speed" else run.load_variants)
             ref = self._match("score", name, kind, nbytes)
             ratio = nbytes / (run.variants[ref[0]]["bytes"] or nbytes) if ref else 1.0
             if stage == "load" and load_levels:
-                if ref and (by := self._load_sweep(ref[0], nbytes, params, load_levels)) is not None:
+                if ref and (by := self._load_sweep(ref[0], nbytes, params, load_levels, type_elements)):
                     return by
                 # a served level decodes: it grows with the time per decoded token (bytes read plus fixed costs)
-                mrates, prates = self._rate_pair(ref[0], nbytes, params) if ref else (None, None)
+                mrates, prates = self._rate_pair(ref[0], nbytes, params, type_elements) if ref else (None, None)
                 if mrates and prates:
                     ratio = prates["decode"] / mrates["decode"]
                 levels, cap = load_levels.levels, load_levels.cap
@@ -423,22 +402,25 @@ class TimeModel:
                         f"({'time per decoded token' if mrates and prates else 'bytes'}) x {levels} levels{capped}")
             return per * ratio * extra * self.factor, f"{run.label} per variant x{ratio * extra:.2g} (bytes)"
         if stage.startswith("bench:"):
-            return self._bench(stage, name, kind, nbytes, params, extra)
+            return self._bench(stage, name, kind, nbytes, params, extra, type_elements)
         found = self._match(stage, name, kind, nbytes)
         if found is None:
             return None, f"no {stage} stage of a comparable variant in {run.label}"
         other, wall = found
         via = "" if other == name else f" via {other}"
         if stage in ("evaluate", "score"):
-            t = self.by_component(stage, other, wall, nbytes, None, params, builds_exact=builds_exact)
+            t = self.by_component(stage, other, wall, nbytes, None, params, builds_exact=builds_exact,
+                                  types=type_elements)
             if t is not None:
                 exact = " (the original's exact rows built here)" if builds_exact else ""
-                return t * extra * self.factor, f"{run.label}{via} by component{exact}"
+                return t * extra * self.factor, (f"{run.label}{via} by component{exact}"
+                                                  f"{self._types_note(other, type_elements)}")
         if stage == "quantize" and other == name and params:
             f = self._factor_of(stage, name)
-            if (by := self._by_type(name, wall, type_elements, nbytes, f16_bytes, f)) is not None:
+            if (by := quantization_by_type(run, name, wall, type_elements, nbytes, f16_bytes, f, self.quant_rates,
+                                           self.threads)) is not None:
                 return by[0] * extra, by[1]
-            if fit := self._two_sizes(stage, name, wall, params):
+            if fit := two_sizes(run, self.others, stage, name, wall, params):
                 return fit[0] * extra * f, fit[1]
             # the same recipe reads and quantizes every weight: it grows with the parameters, not with the file
             # (a small model's K-quant file is larger per weight: rows not a multiple of 256 fall back to 8 bits)
@@ -451,7 +433,7 @@ class TimeModel:
         return wall * ratio * self.factor, f"{run.label}{via} x{ratio:.2g}"
 
     def _load_sweep(self, measured: str, nbytes: float, params: int | None,
-                    sweep: PlannedSweep) -> tuple[float, str] | None:
+                    sweep: PlannedSweep, types: dict | None = None) -> tuple[float, str] | None:
         """A served variant's load sweep by component: per round what the measured rounds spent outside their levels
         (a server's start, guidellm's start and exit: ``MeasuredRun.load_fixed_s``) plus the planned load's growth;
         per level its requests at the measured level's seconds per request (the nearest concurrency), the time to
@@ -460,7 +442,7 @@ class TimeModel:
         import math
 
         run, rows = self.run, self.run.load_levels.get(measured)
-        mrates, prates = self._rate_pair(measured, nbytes, params)
+        mrates, prates = self._rate_pair(measured, nbytes, params, types)
         if not rows or run.load_fixed_s is None or not (mrates and prates):
             return None
         pre, dec = prates["prefill"] / mrates["prefill"], prates["decode"] / mrates["decode"]
@@ -479,7 +461,7 @@ class TimeModel:
                 f"{sweep.rounds} round(s) of {fixed:.0f} s outside the levels){' (capped levels)' * bool(capped)}")
 
     def _bench(self, stage: str, name: str, kind: str, nbytes: float, params: int | None,
-               samples: float) -> tuple[float | None, str]:
+               samples: float, types: dict | None = None) -> tuple[float | None, str]:
         """A benchmark task's stage: the same task on the nearest measured variant, per sample, carried by the time
         per decoded token (a task that generates) or per prompt token (log-likelihoods), times ``samples``."""
         run, task = self.run, stage.split(":", 1)[1]
@@ -487,7 +469,7 @@ class TimeModel:
         if found is None or not run.bench_samples.get((task, found[0])):
             return None, f"no {stage} stage in {run.label}"
         other, wall = found
-        mrates, prates = self._rate_pair(other, nbytes, params)
+        mrates, prates = self._rate_pair(other, nbytes, params, types)
         from pipeline.suites.lmeval.tasks import get_task
 
         rate = "decode" if get_task(task).generates else "prefill"

@@ -8,6 +8,7 @@ import time
 
 from pipeline.config.summary_contract import SCHEMA_VERSION
 from pipeline.measure.capacity import capacity_plan
+from pipeline.measure.measured_runs import WORKLOAD_KEYS
 from pipeline.report.bench_summary import attach_benchmarks
 from pipeline.report.variant_summary import imatrix_effects, variant_summary
 from pipeline.runtimes import runtime_class
@@ -60,7 +61,10 @@ def build_summary(cfg: Config) -> dict:
                 "threads": cfg.runtime.n_threads, "device": cfg.runtime.device,
                 "decoding": {k: getattr(cfg.runtime, k) for k in DECODING_KEYS},
                 "bench_tasks": cfg.run.bench_tasks, "bench_limit": cfg.profile.bench_limit,
-                "bench_limits": {t: cfg.profile.bench_limit_for(t) for t in cfg.run.bench_tasks}},
+                "bench_limits": {t: cfg.profile.bench_limit_for(t) for t in cfg.run.bench_tasks},
+                # the profile keys that set its token counts as it ran (overrides included): what a plan from this
+                # run takes its work to have been (stages.plan.measured_work)
+                "workload": {k: getattr(cfg.profile, k) for k in WORKLOAD_KEYS}},
         "model": {"name": cfg.model.name, "source": cfg.model.source, "origin": origin,
                   **{k: v for k, v in facts.items() if k != "chat_template"}},
         "reference": {"runtime": (first.get("reference") or {}).get("producer"),

@@ -316,6 +316,7 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
                      "bits_per_weight": result["artifact"].get("bits_per_weight"),
                      "producer": info_a.get("producer"),
                      "gguf_type": info_a.get("gguf_type"), "tensor_types": info_a.get("tensor_types"),
+                     "type_elements": info_a.get("type_elements"),
                      "fallback_tensors": fallback_tensors(info_a.get("gguf_type") or "", info_a.get("tensor_types")),
                      "imatrix": info_a.get("imatrix"),
                      "group_size": info_a.get("group_size"), "quantize_settings": info_a.get("quantize_settings"),

@@ -142,6 +142,8 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
     for v in variants:
         kind = weight_kind(v)
         nbytes = sp.artifact_bytes(v)
+        # a GGUF file's weights per ggml type: its prompt work is carried by them (stage_rates._type_factor)
+        types = sp.gguf(v.quantize["type"].upper())["type_elements"] if kind == "ggml" else None
         if kind != "original" and v.base not in bases_done:
             bases_done.add(v.base)
             # a GGUF type without an importance matrix: its time by the weights of each ggml type it writes (F16 is
@@ -155,19 +157,21 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
         reuses = (v.name == original.name and not v.runtime_options.get("kv_cache")) or v.name == producer.name
         generated_on = producer.runtime if (reuses or sp.standin(v)) else v.runtime
         baseline_needed |= generated_on != producer.runtime
-        add(sp.evaluate(v, reuses_reference=reuses), run / v.name, time_kind(v, "evaluate"), nbytes)
+        add(sp.evaluate(v, reuses_reference=reuses), run / v.name, time_kind(v, "evaluate"), nbytes,
+            type_elements=types)
         exact_here = exact_pending and scores_exactness(v, original_weights=v.base == original.base)
         exact_pending &= not exact_here
         add(sp.score(v, original if exact_here else None), run / f"{v.name}.scores", time_kind(v), nbytes,
-            builds_exact=exact_here)
+            builds_exact=exact_here, type_elements=types)
         for task, samples in bench_samples.items():
             fp = sp.evaluate(v, reuses_reference=False)
             fp.stage = f"bench:{task}"
-            add(fp, bench_dir(cfg, v.name, task), time_kind(v, "evaluate"), nbytes, extra=samples)
+            add(fp, bench_dir(cfg, v.name, task), time_kind(v, "evaluate"), nbytes, extra=samples,
+                type_elements=types)
         add(sp.speed(v), None, time_kind(v), nbytes, extra=_probe_ratio(cfg), params=params,
-            labels=2 if v.name == control else 1)
+            labels=2 if v.name == control else 1, type_elements=types)
         if v.runtime in cfg.load.runtimes and not v.runtime_options.get("kv_cache"):
-            add(sp.load(v), None, time_kind(v), nbytes, load_levels=_load_levels(cfg))
+            add(sp.load(v), None, time_kind(v), nbytes, load_levels=_load_levels(cfg), type_elements=types)
     if baseline_needed and original.runtime != producer.runtime:
         fp = sp.evaluate(original, name=f"original@{original.runtime}")
         fp.stage = "baseline"
@@ -257,6 +261,7 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
         plan["time_basis"] = ("no measured run under paths.results to scale from (the committed demo run "
                               "results/smollm2-135m-instruct/quick is one): times not estimated")
         return
+    from pipeline.measure import prompt_rates
     from pipeline.measure.quant_rates import seconds_per_weight
     from pipeline.infra.llama_tools import tools_dir
 
@@ -288,8 +293,16 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
                          plan_original_bytes=sp.original_bytes(),
                          plan_speed=measured_runs.speed_protocol(cfg.profile.speed), others=ranked,
                          plan_parity_tokens=cfg.reference.parity_tokens, threads=cfg.runtime.n_threads,
-                         quant_rates=functools.partial(seconds_per_weight, tools=quant_tools))
+                         quant_rates=functools.partial(seconds_per_weight, tools=quant_tools),
+                         prompt_rates=prompt)
 
+    prompt = functools.partial(prompt_rates.seconds_per_weight, threads=cfg.runtime.n_threads, tools=quant_tools)
+    planned_types = {t for fp in plan["rows"] for t in (fp.time_args.get("type_elements") or {})}
+    measured_types = {t for r in ranked for e in r.quant_elements.values() for t in e}
+    if sp.on_device:        # the figures are of llama.cpp's CPU kernels: a run on a GPU carries by parameters
+        prompt = None
+    elif planned_types and measured_types:  # every type of this plan measured at once; each ratio then reads them
+        prompt(tuple(sorted(planned_types | measured_types)))
     plan["time_basis"] = model(0).basis
     for fp in plan["rows"]:
         a = fp.time_args
@@ -312,8 +325,9 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
 
 def measured_work(cfg, mr) -> dict:
     """The measured run's token counts per suite (stage_plan.Workload.per_suite): its profile
-    (conf/profile/NAME.yaml) on this catalogue's suites; where the profile is not a file here, the planned run's
-    own profile is assumed."""
+    (conf/profile/NAME.yaml) on this catalogue's suites, with the workload settings the run recorded as it ran (a
+    cap given on the command line); where the profile is not a file here, the planned run's own profile is
+    assumed."""
     import dataclasses
 
     from pipeline.config.schema import PROJECT_ROOT, ProfileConfig
@@ -328,6 +342,8 @@ def measured_work(cfg, mr) -> dict:
         raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
         raw = {k: v for k, v in raw.items() if k != "defaults"}
         profile = build_settings(ProfileConfig, raw, f"profile {mr.profile}")
+    if mr.workload:         # what the run recorded of its token counts' settings (its overrides included)
+        profile = dataclasses.replace(profile, **{k: v for k, v in mr.workload.items() if hasattr(profile, k)})
     suites = [s for s in mr.suites if s in cfg.suites] or list(cfg.run.suites)
     other = dataclasses.replace(cfg, profile=profile, run=dataclasses.replace(cfg.run, suites=suites))
     return Workload.of(other).per_suite
