@@ -19,19 +19,21 @@ CHAT = [{"role": "system", "content": "You answer billing questions for Fernhill
 IDS = [f.name for f in FAMILIES]
 
 
-def test_the_1b_model_has_llama_3_2_1b_s_shapes():
-    """The model that tests the plan's scaling has Llama-3.2-1B's parameter count (1,235,814,400), counted on the
-    meta device, and the Llama 3 family's tokenizer and template."""
+@pytest.mark.parametrize("name,base,params", [("llama3-1b", "llama3", 1_235_814_400),
+                                               ("qwen2-1.5b", "qwen2", 1_543_714_304)])
+def test_the_scaled_models_have_their_published_shapes(name, base, params):
+    """The models that test the plan's scaling have Llama-3.2-1B's and Qwen2.5-1.5B's parameter counts, counted on
+    the meta device, and their family's tokenizer and template."""
     import torch
     import transformers
 
     from pipeline.infra.families import family
 
-    fam = family("llama3-1b")
+    fam = family(name)
     with torch.device("meta"):
         model = getattr(transformers, fam.model_class)(build_config(fam))
-    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
-    assert (fam.vocab, fam.template) == (family("llama3").vocab, family("llama3").template)
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert (fam.vocab, fam.template) == (family(base).vocab, family(base).template)
     assert fam not in FAMILIES        # never in the CI matrix
 
 

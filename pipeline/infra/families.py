@@ -159,11 +159,15 @@ def _scaled(base: Family, name: str, title: str, features: str, **config) -> Fam
 
 
 # Larger random models of a published geometry, run alone (never in the CI matrix): they test the plan's scaling
-# beyond the 135 M demo model on this machine (docs/plan.md). llama3-1b: Llama-3.2-1B's shapes (1.24 B parameters).
+# beyond the 135 M demo model on this machine (docs/plan.md). llama3-1b: Llama-3.2-1B's shapes (1.24 B parameters);
+# qwen2-1.5b: Qwen2.5-1.5B's (1.54 B, a 152k vocabulary), a check of the plan on a model it was not fitted on.
 SCALED: tuple[Family, ...] = (
     _scaled(FAMILIES[0], "llama3-1b", "Llama 3.2 1B geometry", "Llama-3.2-1B's shapes: 16 layers, hidden 2048, "
             "GQA 32/8, head 64, MLP 8192, tied embeddings", hidden_size=2048, intermediate_size=8192,
             num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+    _scaled(FAMILIES[2], "qwen2-1.5b", "Qwen 2.5 1.5B geometry", "Qwen2.5-1.5B's shapes: 28 layers, hidden 1536, "
+            "GQA 12/2, head 128, MLP 8960, q/k/v bias, tied embeddings", hidden_size=1536, intermediate_size=8960,
+            num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128),
 )
 BY_NAME = {f.name: f for f in FAMILIES + SCALED}
 
