@@ -7,10 +7,10 @@ the F16 conversion, parity, the dequantized stand-ins, the original's own free-r
 takes the time of the same stage of the same variant (else of the measured variant of the same weight kind with
 the nearest size), carried by the ratio of its components (``TimeModel.by_component``: loading, prompt tokens
 read, reply tokens decoded, work per vocabulary entry, the original's own passes; a speed probe's worker start,
-load and generations; what a free-running wall leaves beside them, per decoded token); a one-off stage (conversion, parity, quantization) by a fixed part and a part that grows
-with the parameters where a run of another size with the same tokenizer on this CPU has it, else by the
-parameters; the F16 conversion by its recorded phases, a GGUF quantization by the weights of each ggml type (these
-in ``pipeline.measure.one_off_rates``). Every wall is
+load and generations; what a free-running wall leaves beside them, per decoded token); a one-off stage
+(conversion, parity, quantization) by a fixed part and a part that grows with the parameters where a run of another
+size with the same tokenizer on this CPU has it, else by the parameters; the F16 conversion by its recorded phases,
+a GGUF quantization by the weights of each ggml type (these in ``pipeline.measure.one_off_rates``). Every wall is
 scaled by the ratio of memory bandwidths, the one its run recorded over this machine's measured now the same way
 in one to two seconds (the short calibration): from another CPU, and from this one too, whose readings move from
 day to day with its stage times; a model-level stage built in another run than the summary's by that run's
@@ -103,8 +103,8 @@ class TimeModel:
         top of a fixed cost per token (the measured time per token less that read, which dominates a small model);
         loading is the measured load (mostly fixed costs on a small model: the runtime's start, a transformers
         model's construction) plus one pass over the added bytes. ``planned``: the planned run's, its prompt work
-        rescaled by compute rather than bandwidth (``prefill_scale``) and carried from the measured file's ggml types to
-        the planned file's ``types`` (``_type_factor``)."""
+        rescaled by compute rather than bandwidth (``prefill_scale``) and carried from the measured file's ggml
+        types to the planned file's ``types`` (``_type_factor``)."""
         r, v = self.run.rates.get(measured), self.run.variants.get(measured) or {}
         if not r or not v.get("bytes"):
             return None
@@ -349,11 +349,13 @@ class TimeModel:
                 t = self.by_component("evaluate", "original", walls[0], nbytes, None, params)
                 if t is not None:
                     return t * f, f"{run.label} by component (original's speeds)"
-            if stage != "baseline" and params and (fit := two_sizes(run, self.others, stage, keyed[0][0], walls[0], params)):
+            fit = two_sizes(run, self.others, stage, keyed[0][0], walls[0], params) if params else None
+            if stage != "baseline" and fit:
                 return fit[0] * f, fit[1]
             if stage == "parity" and params and (by := self._parity(walls[0], params, f16_bytes)) is not None:
                 return by[0] * f, by[1]
-            if stage == "convert_f16" and params and (by := conversion(run, walls[0], params, self.plan_vocab)) is not None:
+            by = conversion(run, walls[0], params, self.plan_vocab) if stage == "convert_f16" and params else None
+            if by is not None:
                 return by[0] * f, by[1]
             if stage == "convert_f16" and params and (start := self._worker_start()) is not None and walls[0] > start:
                 # the converter is a Python process importing torch and gguf-py: a worker's start, then its tensors
