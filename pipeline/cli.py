@@ -181,8 +181,9 @@ def main() -> None:
     import hydra
 
     register_resolvers()
-    # force=true redoes a stage once per invocation (pipeline.infra.stage_cache.INVOCATION_ENV)
-    os.environ.setdefault("QUANTDRIFT_INVOCATION_START", repr(time.time()))
+    from pipeline.infra.stage_cache import INVOCATION_ENV
+
+    os.environ.setdefault(INVOCATION_ENV, repr(time.time()))     # force=true redoes a stage once per invocation
     sys.argv = [sys.argv[0]] + _translate(sys.argv[1:])
     entry = hydra.main(config_path=str(PROJECT_ROOT / "conf"), config_name="config", version_base="1.3")(_task)
     try:

@@ -61,7 +61,7 @@ def write_model(path: Path, type_name: str, vocab_file: Path, lib) -> None:
     rng = np.random.default_rng(0)
     ids = type_ids()
 
-    def matrix(name: str, rows: int, row: int) -> None:
+    def matrix(name: str, rows: int, row: int) -> tuple:
         t = ids[name]
         block = rng.standard_normal((min(rows, _BLOCK_ROWS), row)).astype(np.float32) * 0.02
         imatrix = np.ones(row, dtype=np.float32) if lib.ggml_quantize_requires_imatrix(t) else None

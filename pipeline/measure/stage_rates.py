@@ -283,12 +283,12 @@ class TimeModel:
             exact_m += self._exactness_cost(mrates, mwork)
             exact_p += self._exactness_cost(prates, pwork)
         base = self._cost(stage, mrates, mwork, run.vocab, fill, 0.0) + exact_m
-        rows = sum(w["reply_tokens"] for w in mwork.values()) * fill * run.vocab
+        replies = [sum(w["reply_tokens"] for w in work.values()) * fill for work in (mwork, pwork)]
+        rows = replies[0] * run.vocab
         per_row = max(0.0, wall - base) / rows if stage in ("score", "reference") and rows else 0.0
         measured_cost = self._cost(stage, mrates, mwork, run.vocab, fill, per_row) + exact_m
         if measured_cost <= 0 or not pwork or not mwork:
             return None
-        replies = [sum(w["reply_tokens"] for w in work.values()) * fill for work in (mwork, pwork)]
         if stage == "evaluate" and replies[0]:
             # free-running's own cost per decoded token beside the probe's (its sampling loop, the contexts it
             # decodes at): what the wall leaves after its components, per reply token, at any size, up to half the

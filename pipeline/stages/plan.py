@@ -272,6 +272,10 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
     # this machine's bandwidth, measured at most once for all the runs that need it
     measure = functools.cache(functools.partial(measured_runs.bandwidth_here, cfg.runtime.n_threads))
     measure_compute = functools.cache(functools.partial(measured_runs.compute_here, cfg.runtime.n_threads))
+    # each ggml type's prompt rate here; none on a GPU (the figures are of llama.cpp's CPU kernels: a run on a GPU
+    # carries prompt work by parameters)
+    prompt = None if sp.on_device else functools.partial(prompt_rates.seconds_per_weight,
+                                                         threads=cfg.runtime.n_threads, tools=quant_tools)
 
     @functools.cache
     def model(i: int) -> TimeModel:
@@ -296,12 +300,9 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
                          quant_rates=functools.partial(seconds_per_weight, tools=quant_tools),
                          prompt_rates=prompt)
 
-    prompt = functools.partial(prompt_rates.seconds_per_weight, threads=cfg.runtime.n_threads, tools=quant_tools)
     planned_types = {t for fp in plan["rows"] for t in (fp.time_args.get("type_elements") or {})}
     measured_types = {t for r in ranked for e in r.quant_elements.values() for t in e}
-    if sp.on_device:        # the figures are of llama.cpp's CPU kernels: a run on a GPU carries by parameters
-        prompt = None
-    elif planned_types and measured_types:  # every type of this plan measured at once; each ratio then reads them
+    if prompt and planned_types and measured_types:     # every type of this plan measured at once; each ratio reads
         prompt(tuple(sorted(planned_types | measured_types)))
     plan["time_basis"] = model(0).basis
     for fp in plan["rows"]:
