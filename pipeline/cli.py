@@ -3,6 +3,7 @@
     quantdrift [overrides]                      evaluate one variant (default command)
     quantdrift -m variant=a,b,c [overrides]     a sweep, one Hydra job per variant
     quantdrift report|bench|prepare [overrides]
+    quantdrift redecide [decision=...] [workload=...]   the decision of a finished run's summary.json taken again
     quantdrift regress [baseline=PATH] [overrides]   nightly gate: exit 0 ok, 1 regression, 2 the run failed
     quantdrift baseline promote RUN [overrides]      make results/<model>/RUN the baseline (old one kept)
     quantdrift corpus variant=NAME file=PATH ctx=512 [json=true]
@@ -53,6 +54,15 @@ def _report(cfg: Config) -> int:
     if failed:
         print(f"failed variants: {', '.join(failed)}", file=sys.stderr)
         return EXIT_VARIANT_FAILED
+    return 0
+
+
+def _redecide(cfg: Config) -> int:
+    from pipeline.stages.report import redecide_report
+
+    rec = redecide_report(cfg)["recommendation"]
+    print(f"report: {cfg.results_dir / 'report.md'}")
+    print(f"recommendation: {rec['variant'] or 'none'} — {rec['summary']}")
     return 0
 
 
@@ -129,7 +139,7 @@ def _load(cfg: Config) -> int:
 
 
 # command -> what runs it (Config.COMMANDS lists the same names; a test checks they agree)
-COMMANDS = {"evaluate": _evaluate, "report": _report, "regress": _regress, "baseline": _baseline,
+COMMANDS = {"evaluate": _evaluate, "report": _report, "redecide": _redecide, "regress": _regress, "baseline": _baseline,
             "corpus": _corpus, "bench": _bench, "prepare": _prepare, "calibration": _calibration,
             "load": _load, "plan": _plan}
 

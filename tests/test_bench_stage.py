@@ -52,7 +52,7 @@ def _variant(kld, tps, rss, benchmarks):
 
 
 def test_min_recovery_fails_a_variant_on_the_lower_bound_of_its_recovery():
-    d = DecisionConfig(min_recovery=0.95, max_pass_drop_p=None, confidence="point")
+    d = DecisionConfig(min_recovery=0.95, max_pass_drop=None, confidence="point")
     variants = {
         "original": _variant(0.0, 10.0, 500, {"business_mc": _row(1.0, 1.0, 1.0)}),
         # the fastest, but its recovery's interval reaches down to 80 %: judged on the bound, not the estimate
@@ -65,7 +65,7 @@ def test_min_recovery_fails_a_variant_on_the_lower_bound_of_its_recovery():
     assert "lower bound 80.0% < 95%" in rec["reasons"]["fast"]
     assert not judge_constraints(variants["original"], d) and not judge_constraints(variants["good"], d)
     # off by default
-    assert decide(variants, DecisionConfig(max_pass_drop_p=None, confidence="point"))["variant"] == "fast"
+    assert decide(variants, DecisionConfig(max_pass_drop=None, confidence="point"))["variant"] == "fast"
     # no recovery (no original's answers) or a task that did not run: reported, never judged
     for row in (_row(None), _row(0.0, status="skipped")):
         judged = judge_constraints(_variant(0.02, 20.0, 300, {"business_mc": row}), d)

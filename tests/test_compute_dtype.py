@@ -62,3 +62,50 @@ def test_the_speeds_are_measured_once_per_cpu_and_kept(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
     dtype, why = compute_dtype.resolve("cpu", tmp_path, 1)
     assert dtype == "float32" and "forward speed measured here" in why
+
+
+def _overflowing_float16_llama(out, tokenizer_dir):
+    """A tiny Llama whose MLP outputs reach ~1e5: finite in float32, beyond float16's 65504, stored as float16."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 5.0 if ".mlp." in name else 1.0)
+    model.to(torch.float16).save_pretrained(str(out), safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def test_a_float16_model_whose_activations_overflow_is_recomputed_in_a_safe_dtype(tmp_path, tiny_tokenizer_dir,
+                                                                                    monkeypatch):
+    """float16 chosen for speed (rates faked so float16 wins) on a model whose activations exceed its range: the
+    runtime's range probe finds non-finite logits, loads it again in float32, says so, and its log-probabilities
+    are finite. A float16 the variant set itself fails, naming the setting."""
+    import numpy as np
+    import pytest
+
+    from pipeline.infra.errors import ConfigError
+    from pipeline.runtimes.hf import HFRuntime
+    from tests.conftest import compose
+
+    model = _overflowing_float16_llama(tmp_path / "m", tiny_tokenizer_dir)
+    monkeypatch.setattr(compute_dtype, "cpu_rates", lambda threads: _rates(0.5, 0.5))
+    cfg = compose([f"paths.artifacts={tmp_path / 'a'}"])
+    assert compute_dtype.resolve("cpu", model, 1)[0] == "float16"        # what speed alone would choose
+    rt = HFRuntime(model, {}, cfg.runtime)
+    assert rt.info["dtype"] == "float32"
+    assert rt.info["dtype_choice"].startswith("float16 gave non-finite logits on a range probe")
+    ids = list(range(10, 60))
+    assert np.isfinite(rt.logprobs(ids, list(range(len(ids) - 1)))).all()
+    with pytest.raises(ConfigError, match=r"variant.runtime_options.dtype='float16' is not valid for this model"):
+        HFRuntime(model, {"dtype": "float16"}, cfg.runtime)

@@ -125,13 +125,13 @@ def test_the_decision_ranks_by_throughput_at_slo_and_names_the_workload():
                 "b": with_load(make_variant(0.03, 150.0, 400.0), 300.0, 290.0, 310.0, 8),
                 "c": make_variant(0.01, 90.0, 600.0)}       # no load figures: ranks last
     out = decide(variants, DecisionConfig(objective="throughput_at_slo", max_kld_mean=0.1, confidence="point",
-                                          max_pass_drop_p=None))
+                                          max_pass_drop=None))
     assert out["variant"] == "b"
     assert "workload chat" in out["summary"] and "8 concurrent" in out["summary"]
     # overlapping ranges over the rounds are a tie: the lower drift wins
     variants["a"]["load"]["throughput_at_slo_interval"]["high"] = 295.0
     out = decide(variants, DecisionConfig(objective="throughput_at_slo", max_kld_mean=0.1, confidence="point",
-                                          max_pass_drop_p=None))
+                                          max_pass_drop=None))
     assert out["variant"] == "a" and out["steps"][0]["tests"]["a"]["tied"]
     assert "the load sweep's ranges overlap" in out["summary"]
 

@@ -41,7 +41,9 @@ class CapacityConfig:
 @dataclass
 class DecisionConfig:
     name: str = "default"
-    objective: str = "decode_speed"   # decode_speed | memory | size | throughput_at_slo (needs `quantdrift load`)
+    # decode_speed | memory (as served at the workload) | capacity (sequences that fit the budget at the workload) |
+    # size | throughput_at_slo (needs `quantdrift load`)
+    objective: str = "decode_speed"
     max_kld_mean: float | None = None
     max_kld_p99: float | None = None
     max_flip_rate: float | None = None
@@ -60,9 +62,21 @@ class DecisionConfig:
     # The family-wise correction of every "significantly worse" test across the variants of a run (the checks'
     # drop against the original, a slower or larger variant than the best): holm (step-down), bonferroni or none.
     multiple_comparisons: str = "holm"
-    # A variant whose checks fall below the original's in the conversation-level sign-flip test with p under this
-    # fails (null: off).
-    max_pass_drop_p: float | None = 0.05
+    # Non-inferiority of the checks: a variant fails when the WHOLE 95 % interval of its pass-rate change against
+    # the original (per conversation, on its own runtime where that exists) lies below -max_pass_drop, and is
+    # undecided when the interval straddles it. Judged per variant: adding variants never relieves a loss (null: off).
+    max_pass_drop: float | None = 0.05
+    # Degeneration (replies that loop, flagged by ``degeneration``): a variant fails when its share of flagged
+    # replies exceeds the original's by more than this, or when its replies' mean repeated-4-gram rate exceeds
+    # degeneration.max_repeated_4gram_rate (null: off).
+    max_degenerate_increase: float | None = 0.10
+    # The memory a variant may use as served (weights + runtime + KV cache at workload.context_tokens x
+    # workload.concurrency), before capacity.headroom is taken off. null: this machine's memory (the host's on a
+    # CPU, the device's on a GPU). A variant that does not fit fails, naming the figure.
+    memory_budget_gb: float | None = None
+    # The workload's latency targets (workload.max_ttft_p99_s, max_itl_p99_s): enforce (a variant missing one fails)
+    # or report (the recommendation states which variants meet them; none fails for it).
+    latency_targets: str = "report"
     # A variant whose recovery on any benchmark task (its accuracy / the original's, run.suites entries bench:TASK)
     # has a 95 % interval whose LOWER bound is below this fails (null: off). Judged on the bound whatever
     # decision.confidence says: a benchmark's few hundred samples leave a wide interval.
@@ -71,13 +85,21 @@ class DecisionConfig:
     degeneration: dict = field(default_factory=lambda: {"max_repeated_4gram_rate": 0.35, "max_loop_tokens": 32})
 
     def __post_init__(self) -> None:
-        _one_of("decision.objective", self.objective, ("decode_speed", "memory", "size", "throughput_at_slo"))
+        _one_of("decision.objective", self.objective,
+                ("decode_speed", "memory", "capacity", "size", "throughput_at_slo"))
         _one_of("decision.confidence", self.confidence, ("point", "upper"))
         _one_of("decision.multiple_comparisons", self.multiple_comparisons, ("holm", "bonferroni", "none"))
-        for key in ("alpha", "max_pass_drop_p"):
+        _require(isinstance(self.alpha, (int, float)) and 0 < self.alpha < 1, "decision.alpha", self.alpha,
+                 "a probability in (0, 1)")
+        for key in ("max_pass_drop", "max_degenerate_increase"):
             x = getattr(self, key)
-            _require((x is None and key != "alpha") or (isinstance(x, (int, float)) and 0 < x < 1),
-                     f"decision.{key}", x, "a probability in (0, 1)" + (" or null" if key != "alpha" else ""))
+            _require(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1),
+                     f"decision.{key}", x, "a fraction in [0, 1) or null")
+        _require(self.memory_budget_gb is None or (isinstance(self.memory_budget_gb, (int, float))
+                                                   and not isinstance(self.memory_budget_gb, bool)
+                                                   and self.memory_budget_gb > 0),
+                 "decision.memory_budget_gb", self.memory_budget_gb, "a positive number of GB or null")
+        _one_of("decision.latency_targets", self.latency_targets, ("report", "enforce"))
         _require(self.min_recovery is None or (isinstance(self.min_recovery, (int, float))
                                                and not isinstance(self.min_recovery, bool)
                                                and 0 < self.min_recovery <= 1),
@@ -189,6 +211,7 @@ class WorkloadConfig:
     description: str = ""
     context_tokens: int = 2048
     output_tokens: int = 128
+    concurrency: int = 1               # requests served at once: the KV cache the decision's memory judgment holds
     max_ttft_p99_s: float | None = 1.0
     max_itl_p99_s: float | None = 0.1
     max_e2e_p99_s: float | None = None
@@ -196,6 +219,7 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         _positive_int("workload.context_tokens", self.context_tokens)
         _positive_int("workload.output_tokens", self.output_tokens)
+        _positive_int("workload.concurrency", self.concurrency)
         for key in ("max_ttft_p99_s", "max_itl_p99_s", "max_e2e_p99_s"):
             x = getattr(self, key)
             _require(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0),

@@ -342,8 +342,8 @@ class Config:
     force: bool = False
     seed: int = 0
 
-    COMMANDS = ("evaluate", "report", "regress", "baseline", "corpus", "bench", "prepare", "calibration", "load",
-                "plan")
+    COMMANDS = ("evaluate", "report", "redecide", "regress", "baseline", "corpus", "bench", "prepare", "calibration",
+                "load", "plan")
 
     def __post_init__(self) -> None:
         _one_of("command", self.command, self.COMMANDS)

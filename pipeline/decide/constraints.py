@@ -1,7 +1,16 @@
-"""The decision's constraints: every configured limit judged on the variant's figure (on its 95 % interval under
-``decision.confidence=upper``), and the "checks significantly worse than the original" test judged across the
-variants with a family-wise correction (``decision.multiple_comparisons``), so that one variant in nine failing at
-p < 0.05 by chance is not read as a measured drop.
+"""The decision's constraints, each judged per variant, so that adding variants never relieves one:
+
+- every figure the decision reads is finite (a NaN compares false against every limit: a variant whose
+  log-probabilities overflowed would otherwise pass them all);
+- every configured limit on the variant's figure, on its 95 % interval under ``decision.confidence=upper`` (the
+  variant must show it meets the limit: a straddled limit is "undecided");
+- the checks' non-inferiority: the 95 % interval of the pass-rate change against the original must lie above
+  ``-decision.max_pass_drop`` (wholly below it fails; straddling it is undecided);
+- degeneration: the share of looping replies may exceed the original's by at most
+  ``decision.max_degenerate_increase``, and the replies' mean repeated-4-gram rate may not exceed the configured
+  limit;
+- the deployment target (``pipeline.decide.target``): the variant fits the memory budget as served, and under
+  ``decision.latency_targets=enforce`` meets the workload's latency targets.
 
 Where a variant's replies were generated on another runtime than the reference's, its checks are judged against
 the original's own replies on that runtime (``free_running.same_runtime``): the runtime switch's own flips are
@@ -9,6 +18,8 @@ not the format's.
 """
 
 from __future__ import annotations
+
+import math
 
 from pipeline.config.commands import DecisionConfig
 from pipeline.config.summary_contract import BY_NAME
@@ -43,26 +54,75 @@ def checks_test(v: dict) -> tuple[dict | None, str]:
     return fr.get("conversation_test"), "the original"
 
 
-def pass_drop_family(variants: dict[str, dict], d: DecisionConfig) -> dict[str, dict]:
-    """Per variant (the original excluded: it is the reference), the conversation-level test of its checks against
-    the original with the p-value adjusted across every variant tested (Holm by default), and whether it fails
-    ``decision.max_pass_drop_p``: a drop (mean difference < 0) with an adjusted p under the limit."""
-    from pipeline.measure.stats import adjust_p
+def pass_drop_test(v: dict, d: DecisionConfig) -> dict | None:
+    """The checks' non-inferiority test of one variant: the 95 % interval of its pass-rate change against the
+    original (per conversation; on its own runtime where its replies came from another), judged against the margin
+    ``decision.max_pass_drop``: "fails" when the whole interval lies below -margin, "undecided" when it straddles
+    it, else "passes". The conversation-level sign-flip p is kept beside it for the reader; it decides nothing (a
+    loss must not need proving). None for the original (the reference) and where no interval exists."""
+    test, against = checks_test(v)
+    same = (v.get("intervals_same_runtime") or {}).get("pass_rate_delta")
+    iv = same or (v.get("intervals") or {}).get("pass_rate_delta")
+    if not iv or iv.get("low") is None or iv.get("high") is None:
+        return None
+    margin = d.max_pass_drop
+    verdict = ("not tested" if margin is None else "fails" if iv["high"] < -margin
+               else "undecided" if iv["low"] < -margin else "passes")
+    return {"against": against if same else "the original",
+            "mean_difference": iv["estimate"], "low": iv["low"], "high": iv["high"], "margin": margin,
+            "conversations": (test or {}).get("conversations") or iv.get("units"),
+            "p": (test or {}).get("p"), "p_adjusted": None, "method": d.multiple_comparisons,
+            "verdict": verdict, "fails": verdict == "fails"}
 
-    tests = {}
-    for name, v in variants.items():
-        if v.get("status") != "ok" or name == "original":
-            continue
-        test, against = checks_test(v)
-        if test and test.get("p") is not None:
-            tests[name] = {**test, "against": against}
-    adjusted = adjust_p({n: t["p"] for n, t in tests.items()}, d.multiple_comparisons)
-    out = {}
-    for name, t in tests.items():
-        fails = (d.max_pass_drop_p is not None and t["mean_difference"] < 0
-                 and adjusted[name] is not None and adjusted[name] < d.max_pass_drop_p)
-        out[name] = {**t, "p_adjusted": adjusted[name], "method": d.multiple_comparisons, "family": len(tests),
-                     "fails": bool(fails)}
+
+def pass_drop_tests(variants: dict[str, dict], d: DecisionConfig) -> dict[str, dict]:
+    """``pass_drop_test`` of every evaluated variant but the original."""
+    return {n: t for n, v in variants.items() if v.get("status") == "ok" and n != "original"
+            and (t := pass_drop_test(v, d)) is not None}
+
+
+# the figures every decision reads: a non-finite one fails the variant
+FINITE = (("drift", "kld_mean", "mean KLD"), ("drift", "kld_p99", "p99 KLD"), ("drift", "top1_agreement",
+          "top-1 agreement"), ("speed", "decode_tokens_per_s", "decode tok/s"),
+          ("speed", "prefill_tokens_per_s", "prefill tok/s"))
+
+
+def non_finite(v: dict) -> list[dict]:
+    """A failed constraint per figure that is NaN or infinite, with its likely cause."""
+
+    out = []
+    dtype = (v.get("runtime_info") or {}).get("dtype")
+    for section, key, label in FINITE:
+        x = (v.get(section) or {}).get(key)
+        if isinstance(x, (int, float)) and not math.isfinite(x):
+            cause = (f"computed in {dtype}, whose range the model's activations likely exceed"
+                     if dtype == "float16" else "overflowing or invalid log-probabilities, or a failed measurement")
+            out.append({"constraint": "finite", "verdict": "fail", "violation": float("inf"),
+                        "message": f"{label} is {x} (not a number): {cause}"})
+    return out
+
+
+def degeneration(v: dict, d: DecisionConfig, original: dict | None) -> list[dict]:
+    """Looping replies: more than the original's share by ``decision.max_degenerate_increase``, or a mean
+    repeated-4-gram rate over ``decision.degeneration.max_repeated_4gram_rate``."""
+    fr = v.get("free_running") or {}
+    if d.max_degenerate_increase is None or not fr.get("replies"):
+        return []
+    out = []
+    share = fr.get("degenerate_replies", 0) / fr["replies"]
+    ofr = (original or {}).get("free_running") or {}
+    base = ofr.get("degenerate_replies", 0) / ofr["replies"] if ofr.get("replies") else 0.0
+    if share - base > d.max_degenerate_increase:
+        out.append({"constraint": "max_degenerate_increase", "verdict": "fail", "violation": share - base,
+                    "message": f"{fr.get('degenerate_replies')} of {fr['replies']} replies degenerate against the "
+                               f"original's {ofr.get('degenerate_replies', 0)} of {ofr.get('replies', 0)}: more than "
+                               f"{d.max_degenerate_increase * 100:.0f} points over the original's share"})
+    limit = (d.degeneration or {}).get("max_repeated_4gram_rate")
+    rate = fr.get("repeated_4gram_rate_mean")
+    if limit is not None and rate is not None and rate > limit:
+        out.append({"constraint": "degeneration.max_repeated_4gram_rate", "verdict": "fail",
+                    "violation": rate / limit - 1,
+                    "message": f"mean repeated-4-gram rate of its replies {rate:.2f} > {limit:g}"})
     return out
 
 
@@ -79,21 +139,26 @@ def _value_and_interval(v: dict, metric: str, iv_key: str | None, d: DecisionCon
     return x, iv, where
 
 
-def judge_constraints(v: dict, d: DecisionConfig, pass_drop: dict | None = None) -> list[dict]:
+def judge_constraints(v: dict, d: DecisionConfig, pass_drop: dict | None = None, original: dict | None = None,
+                      target: dict | None = None) -> list[dict]:
     """Every configured constraint the variant does not clearly meet: {"constraint", "verdict": fail | undecided |
     not measurable, "message", "violation"} in the configured order.
 
     confidence=point judges the point estimate. confidence=upper judges the 95 % interval where the figure has
     one: a limit inside the interval is "undecided" (neither passes nor fails; the variant is not recommended),
     the whole interval on the wrong side fails. "not measurable" (a pass-rate ratio when the original passes no
-    check) is reported, never judged. ``pass_drop``: this variant's entry of ``pass_drop_family`` (its checks
-    significantly worse than the original's after the family-wise correction fails it)."""
-    out = []
+    check) is reported, never judged. A non-finite figure fails first. ``pass_drop``: this variant's
+    ``pass_drop_test`` (a pass-rate change wholly below the margin fails, straddling it is undecided);
+    ``original``: the original's entry (its degeneration is the baseline); ``target``: the deployment target
+    (``pipeline.decide.target``)."""
+    out = non_finite(v)
     for key, metric, kind, msg, iv_key in CONSTRAINTS:
         limit = getattr(d, key)
         if limit is None:
             continue
         x, iv, where = _value_and_interval(v, metric, iv_key, d)
+        if isinstance(x, float) and not math.isfinite(x):
+            continue                                  # failed above as not finite
         over = (lambda a: a > limit) if kind == "max" else (lambda a: a < limit)
         sign = ">" if kind == "max" else "<"
         lim_s = fmt(metric, limit) if metric not in ("flip_rate", "pass_rate_ratio") else format(limit, ".0%")
@@ -123,12 +188,18 @@ def judge_constraints(v: dict, d: DecisionConfig, pass_drop: dict | None = None)
         out.append({"constraint": key, "verdict": verdict, "message": text,
                     "violation": abs(x - limit) / max(abs(limit), 1e-12)})
     out += recovery_constraints(v, d)
-    if pass_drop and pass_drop["fails"]:
-        out.append({"constraint": "max_pass_drop_p", "verdict": "fail", "violation": -pass_drop["mean_difference"],
-                    "message": f"checks significantly worse than {pass_drop['against']}'s (per-conversation pass "
-                               f"rate {pass_drop['mean_difference']:+.0%}, sign-flip p={pass_drop['p']:.3f}, "
-                               f"{pass_drop['method']}-adjusted over {pass_drop['family']} variants "
-                               f"p={pass_drop['p_adjusted']:.3f} < {d.max_pass_drop_p})"})
+    if pass_drop and pass_drop["verdict"] in ("fails", "undecided"):
+        shown = (f"pass-rate change against {pass_drop['against']} {pass_drop['mean_difference']:+.1%} "
+                 f"[{pass_drop['low']:+.1%}, {pass_drop['high']:+.1%}] over {pass_drop['conversations']} conversations")
+        out.append({"constraint": "max_pass_drop", "verdict": "fail" if pass_drop["fails"] else "undecided",
+                    "violation": max(0.0, -pass_drop["low"] - pass_drop["margin"]),
+                    "message": shown + (f" < -{pass_drop['margin']:.0%}" if pass_drop["fails"] else
+                                        f": its 95 % interval straddles the margin -{pass_drop['margin']:.0%}")})
+    out += degeneration(v, d, original)
+    if target is not None:
+        from pipeline.decide.target import target_constraints
+
+        out += target_constraints(v, target)
     return out
 
 
@@ -156,9 +227,3 @@ def recovery_constraints(v: dict, d: DecisionConfig) -> list[dict]:
                                    f"of the original's {row['metric']} over {row['samples']} samples: its lower "
                                    f"bound {rec['low']:.1%} < {d.min_recovery:.0%}"})
     return out
-
-
-def failed_constraints(v: dict, d: DecisionConfig, pass_drop: dict | None = None) -> list[tuple[str, float]]:
-    """The constraints the variant fails or leaves undecided: (message, relative violation)."""
-    return [(("undecided: " if c["verdict"] == "undecided" else "") + c["message"], c["violation"])
-            for c in judge_constraints(v, d, pass_drop) if c["verdict"] in ("fail", "undecided")]

@@ -61,6 +61,18 @@ def kv_live_tokens(kv: dict | None) -> int | None:
     return kv.get("tokens") if kv and not _allocated(kv) else None
 
 
+def runtime_overhead_bytes(v: dict) -> float | None:
+    """The runtime's own memory: the probe's peak (the device's where the variant ran on a GPU, else the host's
+    RSS) less the weights and the KV cache the probe held, never below zero; None where a figure is missing."""
+    mem, speed = v.get("memory") or {}, v.get("speed") or {}
+    device = v.get("device_memory") or {}
+    peak_mb = device["peak_mb"] if device.get("peak_mb") is not None else mem.get("peak_rss_mb")
+    if peak_mb is None or mem.get("artifact_bytes") is None or mem.get("kv_bytes_per_token") is None:
+        return None
+    probe_kv = mem["kv_bytes_per_token"] * ((speed.get("prompt_tokens") or 0) + (speed.get("decode_tokens") or 0))
+    return max(0.0, peak_mb * 2**20 - float(mem["artifact_bytes"]) - probe_kv)
+
+
 def capacity_plan(v: dict, facts: dict, cap, latent: bool = False) -> dict:
     """Concurrent sequences of cap.context_tokens that fit each budget, for this model and (with params_b) for
     a published model of that size: floor((budget x (1 - headroom) - weights - overhead) / (KV/token x context)).
@@ -73,11 +85,9 @@ def capacity_plan(v: dict, facts: dict, cap, latent: bool = False) -> dict:
     mem = v["memory"]
     weights = float(mem["artifact_bytes"])
     kv_tok = mem["kv_bytes_per_token"]
-    probe_kv = kv_tok * ((v["speed"].get("prompt_tokens") or 0) + (v["speed"].get("decode_tokens") or 0))
     device = v.get("device_memory") or {}
     on_device = device.get("peak_mb") is not None
-    peak_mb = device["peak_mb"] if on_device else (mem["peak_rss_mb"] or 0.0)
-    overhead = max(0.0, peak_mb * 2**20 - weights - probe_kv)
+    overhead = runtime_overhead_bytes(v) or 0.0
     element = kv_tok / kv_bytes_per_token_formula(facts, 1.0, cap.context_tokens, latent)
 
     def fits(budget_gb: float, w: float, per_tok: float) -> int:

@@ -60,24 +60,28 @@ def _speed_noise_block(summary: dict) -> list:
            f"every variant once, {workers}, the order rotated by one place per round), each trial "
            f"{proto.get('warmup', 1)} warm-up then {proto.get('repeats', 1)} timed generation(s) of "
            f"{proto.get('decode_tokens')} tokens after a {proto.get('prompt_tokens')}-token prompt. Figures: the "
-           "median over trials [95 % interval from order statistics]; prefill (TTFT, compute-bound) and decode "
+           "median over trials [the narrowest order-statistic interval covering at least 95 %; its exact coverage "
+           "with this many rounds is in the summary, e.g. 97.9 % at 10]; prefill (TTFT, compute-bound) and decode "
            "(memory-bound) separately. Two variants tie on speed unless a paired sign-flip permutation test over "
            "the rounds finds a difference at a family-wise adjusted p < `decision.alpha` and the difference exceeds "
-           "the run's A/A floor (and `decision.tie_tolerance`); a figure whose A/A pair is not tied ranks nothing, "
-           "unless the A/A interval lies within the tie tolerance."]
+           "the run's noise floor: the A/A pair's largest distance from 1, at least `decision.tie_tolerance` (a "
+           "noisy A/A pair widens the floor; it never stops a ranking). Memory is one reading per process: compared "
+           "as a difference against the tie tolerance, with no test."]
     if noise and noise.get("figures"):
         from pipeline.decide.recommendation import aa_negligible
 
         tol = (summary.get("decision_config") or {}).get("tie_tolerance") or 0.0
         f = noise["figures"]
         def verdict(x: dict) -> str:
+            if x.get("single_reading"):
+                return "one reading per process: no test"
             if x["tied"]:
                 return "tied"
             return "NOT tied: " + ("within the tie tolerance" if aa_negligible(x, tol)
-                                   else "this run is too noisy to compare speeds")
+                                   else f"the noise floor widens to ±{x['floor']:.0%}")
 
         cells = [f"{BY_NAME[k].label if k in BY_NAME else k} ×{x['ratio']:.3f} [{x['low']:.3f}, {x['high']:.3f}], "
-                 f"p={x['p']:.2f} ({verdict(x)})" for k, x in f.items()]
+                 f"p={_fmt(x['p'], '.2f')} ({verdict(x)})" for k, x in f.items()]
         floor = f.get("decode_tokens_per_s", {}).get("floor")
         out.append(f"Noise floor (A/A): `{noise['control']}` measured twice per round under two labels: "
                    + "; ".join(cells) + "." + (f" Decode-speed differences under ±{floor:.0%} are inside this "

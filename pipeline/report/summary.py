@@ -18,6 +18,7 @@ from pipeline.stages.load import load_sweep as load_load
 from pipeline.config.summary_contract import DECODING_KEYS, validate_summary
 from pipeline.config.schema import Config
 from pipeline.decide.recommendation import decide
+from pipeline.decide.target import make_target
 from pipeline.stages.variant_job import load_result
 from pipeline.report.stage_times import run_stages
 from pipeline.infra.stage_cache import hardware, library_versions
@@ -54,6 +55,8 @@ def build_summary(cfg: Config) -> dict:
     load_sweep_ = load_load(cfg)
     attach_load(variants, load_sweep_)
     origin = facts.get("origin", "")
+    machine = hardware()
+    target = make_target(cfg.workload, cfg.decision, cfg.capacity.headroom, machine)
     summary = {
         "schema_version": SCHEMA_VERSION,
         "created_unix": time.time(),
@@ -70,7 +73,7 @@ def build_summary(cfg: Config) -> dict:
         "reference": {"runtime": (first.get("reference") or {}).get("producer"),
                       "top_k": cfg.reference.top_k, "parity": first.get("parity")},
         "variants": variants,
-        "recommendation": decide(variants, cfg.decision, speed_noise),
+        "recommendation": decide(variants, cfg.decision, speed_noise, target),
         "speed_noise": speed_noise,
         # per runtime that generated some variant's replies other than the reference's: the original's own replies
         # there against the reference (what the runtime switch alone flips)
@@ -99,7 +102,7 @@ def build_summary(cfg: Config) -> dict:
         "capacity": cfg.capacity.__dict__,
         "bandwidth": bandwidth,
         "versions": library_versions(),
-        "hardware": hardware(),
+        "hardware": machine,
     }
     validate_summary(summary)
     return summary

@@ -313,4 +313,5 @@ def _power_section(ok: dict) -> tuple | None:
         "of exp(2.80 × SD(log per-conversation "
         "mean KLD) × √(2/n)). Checks within a conversation are not independent, so beside the check-level exact "
         "McNemar test every variant also gets a conversation-level sign-flip permutation test on per-conversation "
-        "pass-rate differences (the decision uses it: `decision.max_pass_drop_p`)."])
+        "pass-rate differences (shown; the decision judges the checks' non-inferiority on the pass-rate change's "
+        "interval against `decision.max_pass_drop`)."])

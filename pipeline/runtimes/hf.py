@@ -14,6 +14,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from pipeline.infra.errors import ConfigError, Skip
+from pipeline.runtimes.hf_load import check_loaded, range_overflow, safe_dtype
 from pipeline.runtimes.placement import device_index, hf_placement
 from pipeline.runtimes.base import (FullLogitsRuntime, Generation, TokenChoice, as_blocks, block_rows,
                                     greedy_decode, greedy_decode_many, in_position_order)
@@ -48,21 +49,6 @@ def resolve_device(requested: str) -> str:
         if index >= torch.cuda.device_count():
             raise ConfigError(f"runtime.device={requested!r}: only {torch.cuda.device_count()} CUDA device(s)")
     return requested
-
-
-def check_loaded(artifact: Path, model_class: str, loading: dict) -> None:
-    """transformers starts weights it finds no tensor for from random values and only logs it: a checkpoint
-    written in another module layout (a quantizer's per-expert or unfused projections against this transformers'
-    fused ones) then runs with random weights. Any such weight makes the artifact unusable here (a Skip naming
-    them), never a figure."""
-    import transformers
-
-    missing = sorted(set(loading.get("missing_keys") or ()) | {k[0] for k in loading.get("mismatched_keys") or ()})
-    if missing:
-        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        raise Skip(f"transformers {transformers.__version__} loaded {artifact.name} as {model_class} with "
-                   f"{len(missing)} weight(s) missing or of another shape ({shown}): the checkpoint's layout is not "
-                   "this transformers' for the architecture, and those weights would be random")
 
 
 @dataclass
@@ -143,12 +129,19 @@ class HFRuntime(FullLogitsRuntime):
             # loaded on, and transformers' GPTQ quantizer assumes the CPU when no device_map is given (a CPU kernel
             # class such as TorchAtenLinear, which .to("cuda") then only moves, dequantizing on every forward).
             load.setdefault("device_map", {"": self.device})
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            str(artifact), dtype=self.dtype, trust_remote_code=trust_remote_code, output_loading_info=True, **load,
-        )
-        # a model split across devices stays where accelerate put it (its hooks move activations between them)
-        self.model = (model if self.placement is not None and self.placement.split else model.to(self.device)).eval()
-        check_loaded(Path(artifact), type(model).__name__, loading)
+        while True:
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                str(artifact), dtype=self.dtype, trust_remote_code=trust_remote_code, output_loading_info=True, **load,
+            )
+            # a model split across devices stays where accelerate put it (its hooks move activations between them)
+            self.model = (model if self.placement is not None and self.placement.split else model.to(self.device)).eval()
+            check_loaded(Path(artifact), type(model).__name__, loading)
+            overflow = range_overflow(self.model, dtype, self.device)
+            if overflow is None:
+                break
+            dtype, dtype_why = safe_dtype(dtype, overflow, self.device, bool(options.get("dtype")))
+            self.dtype = getattr(torch, dtype)
+            del model, self.model
         self._cache = None
         self._cache_ids: list[int] = []
         self.choice = TokenChoice.from_config(rcfg)

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 TRIAL_FIGURES = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s", "peak_rss_mb",
                  "device_peak_mb", "load_peak_rss_mb", "steady_rss_mb")
 AA_SUFFIX = "#A/A"
+# figures a process reads once however many rounds it serves (resident and device memory)
+MEMORY_FIGURES = ("peak_rss_mb", "device_peak_mb", "load_peak_rss_mb", "steady_rss_mb")
 # how the trials were run (trials.json and summary.speed_protocol "workers")
 WORKERS_KEPT = "one per label for the stage"
 WORKERS_FRESH = "one per trial"
@@ -269,17 +271,24 @@ def trial_figures(trials: list[dict] | None) -> dict:
 def noise_floor(run: dict | None, alpha: float = 0.05) -> dict | None:
     """The A/A comparison: the control against its own second measurement, per figure: the median ratio, its
     interval, the sign-flip p-value, whether they tie (p >= alpha) and the floor (the interval's largest
-    distance from 1: two variants closer than this are inside this run's noise)."""
+    distance from 1: two variants closer than this are inside this run's noise). Memory measured in one process
+    per label is one reading: its ratio with no test (``single_reading``)."""
     if not run or not run.get("control"):
         return None
     control = run["control"]
     a = trial_figures(run["trials"].get(control))["values"]
     b = trial_figures(run["trials"].get(control + AA_SUFFIX))["values"]
     figures = {}
+    one_process = run.get("workers", WORKERS_FRESH) != WORKERS_FRESH
     for f in TRIAL_FIGURES:
         pairs = [(x, y) for x, y in zip(a[f], b[f]) if x is not None and y is not None]
         test = paired_ratio([y for _, y in pairs], [x for x, _ in pairs])
-        if test:
+        if test and one_process and f in MEMORY_FIGURES:
+            # one process per label for all rounds: its memory is one reading repeated, not a sample of trials;
+            # a p-value over its copies would test nothing
+            figures[f] = {"ratio": test["ratio"], "low": test["ratio"], "high": test["ratio"], "rounds": 1,
+                          "p": None, "tied": None, "floor": abs(test["ratio"] - 1), "single_reading": True}
+        elif test:
             figures[f] = {**test, "tied": bool(test["p"] >= alpha),
                           "floor": max(1 - test["low"], test["high"] - 1, abs(test["ratio"] - 1))}
     return {"control": control, "rounds": run["rounds"], "alpha": alpha, "figures": figures,
