@@ -156,7 +156,10 @@ def _capacity_section(summary: dict, ok: dict) -> tuple | None:
     kv_rows, cap_rows, big_rows = [], [], []
     for n, v in ok.items():
         m = v["memory"]
+        at_report = m.get("kv_formula_at_report")
         kv_rows.append([n, str(m.get("kv_cache") or ""), _fmt(m["kv_bytes_per_token"], ",.0f"),
+                        (_fmt(at_report, ",.0f") + (f" at {m['kv_report_context']:,}" if m.get("kv_report_context")
+                                                    else "")) if at_report is not None else "–",
                         _fmt(m["kv_bytes_per_token_reported"], ",.0f"),
                         _fmt(m["kv_formula_gap"], ".1%") + (" ⚠ over 10%" if m["kv_gap_flagged"] else ""),
                         str(m.get("kv_reported_source") or "")])
@@ -173,8 +176,11 @@ def _capacity_section(summary: dict, ok: dict) -> tuple | None:
         "KV bytes per token: the formula 2 × layers × KV heads × head dim × bytes per element (q8_0: 34/32, with "
         "its block scale; hf int8: 1 + 2/head_dim, with the per-token fp16 scale and zero point of V) against what "
         "the runtime reports (llama.cpp: its KV buffer size from its log ÷ cells; hf: the cache tensors it holds "
-        "÷ quantized tokens, the full-precision residual window excluded). A gap over 10 % is flagged.",
-        (["variant", "KV cache", "formula B/token", "reported B/token", "gap", "reported by"], kv_rows),
+        "÷ quantized tokens, the full-precision residual window excluded). The gap compares the report with the "
+        "formula at the context the report counts (sliding-window layers keep at most their window there); a gap "
+        "over 10 % is flagged.",
+        (["variant", "KV cache", "formula B/token", "formula at the report's context (tokens)", "reported B/token",
+          "gap", "reported by"], kv_rows),
         f"Concurrent sequences of {cap['context_tokens']:,} tokens that fit each memory budget with "
         f"{cap['headroom']:.0%} headroom: (budget × (1 − headroom) − weights − runtime overhead) ÷ (KV bytes per "
         "token × context). Overhead is measured: the probe's peak memory minus weights and the KV it held — the "
