@@ -184,3 +184,22 @@ def test_redecide_takes_the_decision_again_from_a_finished_run_and_measures_noth
 
     with pytest.raises(ConfigError, match="no summary.json"):
         redecide_report(missing)
+
+
+def test_an_interleaved_sliding_window_model_is_served_with_window_sized_local_layers():
+    """Gemma 2's layout (13 global layers, 13 local layers of a 4,096-token window): at 8,192 tokens the local
+    layers keep half of what the recorded per-token figure (at 4,096, inside the window) counts."""
+    from transformers import Gemma2Config
+
+    from pipeline.decide.target import kv_bytes_per_token_at
+    from pipeline.stages.prepare import kv_layout
+
+    cfg = Gemma2Config(num_hidden_layers=26, sliding_window=4096, num_key_value_heads=4, head_dim=256)
+    facts = {"layers": 26, "kv_heads": 4, "head_dim": 256, "attention_heads": cfg.num_attention_heads,
+             "kv_layout": kv_layout(cfg)}
+    full = 2 * 26 * 4 * 256 * 2
+    v = variant(0.01, 50, kv_per_token=full)
+    t = make_target(WorkloadConfig(context_tokens=8192), DecisionConfig(), 0.2, HOST, facts, kv_context=4096)
+    assert kv_bytes_per_token_at(v, t) == pytest.approx(full * (13 + 13 * 0.5) / 26)
+    flat = make_target(WorkloadConfig(context_tokens=8192), DecisionConfig(), 0.2, HOST)
+    assert at_target(v, t)["served_mb"] < at_target(v, flat)["served_mb"]

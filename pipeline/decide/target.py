@@ -18,9 +18,14 @@ import math
 from pipeline.measure.capacity import runtime_overhead_bytes
 
 
-def make_target(workload, decision, headroom: float, hardware: dict | None) -> dict:
-    """The target as the summary records it (``recommendation.target``)."""
+def make_target(workload, decision, headroom: float, hardware: dict | None, facts: dict | None = None,
+                kv_context: int | None = None) -> dict:
+    """The target as the summary records it (``recommendation.target``). ``facts``: the model's geometry and KV
+    layout (``summary["model"]``); ``kv_context``: the context the variants' ``kv_bytes_per_token`` were computed
+    at (``capacity.context_tokens``): with both, a sliding-window layer's cache is counted at the workload's
+    context as the runtime keeps it (at most its window)."""
     host_gib = (hardware or {}).get("memory_gib")
+    geometry = {k: (facts or {}).get(k) for k in ("layers", "kv_heads", "head_dim", "attention_heads", "kv_layout")}
     budget_gb = decision.memory_budget_gb
     return {"workload": workload.name, "context_tokens": int(workload.context_tokens),
             "concurrency": int(getattr(workload, "concurrency", 1) or 1),
@@ -29,7 +34,24 @@ def make_target(workload, decision, headroom: float, hardware: dict | None) -> d
             "budget_bytes": float(budget_gb) * 1e9 if budget_gb is not None else None,
             "budget_source": (f"decision.memory_budget_gb={budget_gb:g}" if budget_gb is not None
                               else "this machine's memory"),
-            "host_bytes": float(host_gib) * 2**30 if host_gib else None}
+            "host_bytes": float(host_gib) * 2**30 if host_gib else None,
+            "geometry": geometry if geometry.get("layers") and geometry.get("kv_layout") else None,
+            "kv_context": kv_context}
+
+
+def kv_bytes_per_token_at(v: dict, t: dict) -> float | None:
+    """The variant's KV bytes per token at the workload's context: its recorded figure, rescaled by the model's
+    layout where some layers keep only a window (the ratio of the architecture's per-token bytes at the two
+    contexts; the element size and any latent compression cancel)."""
+    from pipeline.measure.capacity import kv_bytes_per_token_formula
+
+    kv = (v.get("memory") or {}).get("kv_bytes_per_token")
+    g = t.get("geometry")
+    if kv is None or not g or not t.get("kv_context"):
+        return kv
+    at = kv_bytes_per_token_formula(g, 1.0, t["context_tokens"])
+    recorded = kv_bytes_per_token_formula(g, 1.0, t["kv_context"])
+    return kv * at / recorded if recorded else kv
 
 
 def budget_bytes(v: dict, t: dict) -> tuple[float | None, str]:
@@ -48,7 +70,7 @@ def budget_bytes(v: dict, t: dict) -> tuple[float | None, str]:
 def served_bytes(v: dict, t: dict) -> float | None:
     """Weights + runtime + KV cache of the workload's sequences, in bytes (None where a figure is missing)."""
     mem = v.get("memory") or {}
-    kv = mem.get("kv_bytes_per_token")
+    kv = kv_bytes_per_token_at(v, t)
     overhead = runtime_overhead_bytes(v)
     if kv is None or overhead is None or mem.get("artifact_bytes") is None:
         return None
@@ -60,7 +82,7 @@ def sequences_in_budget(v: dict, t: dict) -> int | None:
     mem = v.get("memory") or {}
     budget, _ = budget_bytes(v, t)
     overhead = runtime_overhead_bytes(v)
-    kv = mem.get("kv_bytes_per_token")
+    kv = kv_bytes_per_token_at(v, t)
     if budget is None or overhead is None or not kv or mem.get("artifact_bytes") is None:
         return None
     free = budget * (1 - t["headroom"]) - float(mem["artifact_bytes"]) - overhead

@@ -158,7 +158,8 @@ def decision_section(summary: dict) -> tuple:
                          ("The ranking, step by step: each variant against the step's best (on speed a variant ties "
                           "unless the family-wise adjusted p over the interleaved trials is under alpha and the "
                           "difference exceeds the noise floor; memory, capacity and size are one reading each, "
-                          "compared against the tie tolerance; drift is tested paired per conversation):", _steps_table(summary)),
+                          "compared against the tie tolerance; drift is tested paired per conversation):",
+                          _steps_table(summary)),
                          ("Checks against the original: non-inferiority, per variant (the whole 95 % interval of "
                           "the pass-rate change must lie above minus the margin; straddling it is undecided):",
                           _pass_drop_table(summary)),

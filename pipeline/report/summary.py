@@ -56,7 +56,7 @@ def build_summary(cfg: Config) -> dict:
     attach_load(variants, load_sweep_)
     origin = facts.get("origin", "")
     machine = hardware()
-    target = make_target(cfg.workload, cfg.decision, cfg.capacity.headroom, machine)
+    target = make_target(cfg.workload, cfg.decision, cfg.capacity.headroom, machine, facts, cfg.capacity.context_tokens)
     summary = {
         "schema_version": SCHEMA_VERSION,
         "created_unix": time.time(),

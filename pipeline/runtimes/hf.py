@@ -134,7 +134,8 @@ class HFRuntime(FullLogitsRuntime):
                 str(artifact), dtype=self.dtype, trust_remote_code=trust_remote_code, output_loading_info=True, **load,
             )
             # a model split across devices stays where accelerate put it (its hooks move activations between them)
-            self.model = (model if self.placement is not None and self.placement.split else model.to(self.device)).eval()
+            split = self.placement is not None and self.placement.split
+            self.model = (model if split else model.to(self.device)).eval()
             check_loaded(Path(artifact), type(model).__name__, loading)
             overflow = range_overflow(self.model, dtype, self.device)
             if overflow is None:
