@@ -297,13 +297,24 @@ def test_flips_recovery_and_exact_mcnemar_on_known_vectors():
     assert r["no_signal_for_flips"] is False
 
     same = flips.compare(original, original)
-    assert same["mcnemar_p"] == 1.0 and same["recovery"]["estimate"] == 1.0
+    assert same["mcnemar_p"] is None and same["recovery"]["estimate"] == 1.0      # no discordant pair: no test
     assert same["recovery"]["low"] == same["recovery"]["high"] == 1.0
     # balanced flips: equal accuracy, many changed answers, nothing significant
     o, v = _vectors(both=5, c2w=6, w2c=6, neither=3)
     eq = flips.compare(o, v)
     assert eq["accuracy"]["estimate"] == eq["reference_accuracy"]["estimate"] and eq["mcnemar_p"] == 1.0
     assert eq["flip_rate"] == pytest.approx(12 / 20)
+
+
+def test_a_task_every_variant_fails_shows_the_exact_interval_and_no_test():
+    """HumanEval's first 16 problems, none solved by anyone: [0, 20.6 %] (Clopper-Pearson), not [0, 0], and no
+    McNemar p that would read as "no loss"."""
+    none = {f"s{i:03d}": False for i in range(16)}
+    r = flips.compare(none, dict(none))
+    assert r["accuracy"]["low"] == 0.0 and r["accuracy"]["high"] == pytest.approx(0.206, abs=5e-4)
+    assert "exact" in r["accuracy"]["method"] and r["mcnemar_p"] is None and r["recovery"] is None
+    every = flips.accuracy({f"s{i}": True for i in range(16)})
+    assert every["high"] == 1.0 and every["low"] == pytest.approx(1 - 0.206, abs=5e-4)
 
 
 def test_flips_need_the_same_samples_and_say_when_there_is_no_signal():
@@ -320,6 +331,6 @@ def test_flips_need_the_same_samples_and_say_when_there_is_no_signal():
 def test_family_wise_adjustment_over_a_tasks_variants():
     original, bad = _vectors(both=10, c2w=9, w2c=1, neither=0)
     out = flips.compare_variants(original, {"q4": bad, "q8": dict(original)})
-    assert out["q4"]["mcnemar_p_adjusted"] == pytest.approx(2 * 22 / 1024)       # Holm, 2 tests
-    assert out["q8"]["mcnemar_p_adjusted"] == 1.0
+    assert out["q4"]["mcnemar_p_adjusted"] == pytest.approx(22 / 1024)     # q8 answered alike: no test, no family
+    assert out["q8"]["mcnemar_p_adjusted"] is None
     assert flips.outcomes([{"id": "a", "correct": True}, {"id": "b", "correct": False}]) == {"a": True, "b": False}

@@ -21,6 +21,20 @@ def _interval(ci: dict | None) -> dict | None:
     return None if ci is None else interval(ci["estimate"], ci["low"], ci["high"], ci["level"], ci["units"])
 
 
+def _proportion(x: np.ndarray, seed: int) -> dict | None:
+    """A share of correct answers with its 95 % interval: the bootstrap's, except where every answer is the same
+    (0 of n or n of n right), where resampling has no spread and the exact Clopper-Pearson bound is given (0 of 16:
+    [0, 20.6 %])."""
+    n = len(x)
+    if n and (x.sum() == 0 or x.sum() == n):
+        edge = 0.025 ** (1 / n)
+        low, high = (0.0, 1 - edge) if x.sum() == 0 else (edge, 1.0)
+        out = interval(float(x.mean()), low, high, 0.95, n)
+        out["method"] = "exact (Clopper-Pearson): every answer the same"
+        return out
+    return _interval(bootstrap_ratio(x, np.ones(n), seed))
+
+
 def paired(original: Mapping[str, bool], variant: Mapping[str, bool]) -> tuple[list[str], np.ndarray, np.ndarray]:
     """The sample ids both sides hold (sorted) and their outcomes as 0/1 arrays; a ValueError naming the
     difference when the two sides did not answer the same samples."""
@@ -48,14 +62,16 @@ def compare(original: Mapping[str, bool], variant: Mapping[str, bool], seed: int
     f = drift.flips(o.astype(bool).tolist(), v.astype(bool).tolist())
     return {
         "samples": n,
-        "accuracy": _interval(bootstrap_ratio(v, ones, seed)),
-        "reference_accuracy": _interval(bootstrap_ratio(o, ones, seed)),
+        "accuracy": _proportion(v, seed),
+        "reference_accuracy": _proportion(o, seed),
         "accuracy_delta": _interval(bootstrap_ratio(v - o, ones, seed)),
         "recovery": _interval(bootstrap_ratio(v, o, seed)) if o.sum() > 0 else None,
         "correct_to_wrong": f["pass_to_fail"],
         "wrong_to_correct": f["fail_to_pass"],
         "flip_rate": (f["pass_to_fail"] + f["fail_to_pass"]) / n,
-        "mcnemar_p": drift.mcnemar_exact_p(f["pass_to_fail"], f["fail_to_pass"]),
+        # no discordant pair: nothing to test (a p of 1 would read as "no loss" on a task with no signal)
+        "mcnemar_p": (drift.mcnemar_exact_p(f["pass_to_fail"], f["fail_to_pass"])
+                      if f["pass_to_fail"] + f["fail_to_pass"] else None),
         "no_signal_for_flips": bool(o.mean() < NO_SIGNAL_PASS_RATE),
     }
 
@@ -78,7 +94,7 @@ def accuracy(outcome: Mapping[str, bool], seed: int = 0) -> dict | None:
     if not outcome:
         return None
     x = np.asarray([bool(outcome[i]) for i in sorted(outcome)], dtype=np.float64)
-    return _interval(bootstrap_ratio(x, np.ones(len(x)), seed))
+    return _proportion(x, seed)
 
 
 def outcomes(samples: list[dict]) -> dict[str, bool]:
