@@ -208,7 +208,7 @@ def test_a_difference_inside_the_aa_floor_is_a_tie_and_a_noisy_aa_pair_widens_th
     assert step["tests"]["close"]["p_adjusted"] < 0.05 and step["tied"] == ["best", "close"]
     assert step["behind"] == ["far"] and "outside the noise floor ±10%" in rec["reasons"]["far"]
     assert rec["variant"] == "close"
-    assert rec["decided_by"]["figure"] == "mean KLD" and "decode tok/s ties best (" in rec["summary"]
+    assert rec["decided_by"]["figure"] == "mean KLD" and "decode tok/s ties the step's best, best's (" in rec["summary"]
     assert "inside the noise floor ±10%" in rec["summary"]
     # a noisy A/A pair widens the floor; it never stops the ranking: 'far' (0.7x) is still behind
     loud = {"control": "best", "figures": {"decode_tokens_per_s": {**quiet["figures"]["decode_tokens_per_s"],

@@ -203,3 +203,51 @@ def test_an_interleaved_sliding_window_model_is_served_with_window_sized_local_l
     assert kv_bytes_per_token_at(v, t) == pytest.approx(full * (13 + 13 * 0.5) / 26)
     flat = make_target(WorkloadConfig(context_tokens=8192), DecisionConfig(), 0.2, HOST)
     assert at_target(v, t)["served_mb"] < at_target(v, flat)["served_mb"]
+
+
+def test_a_figure_not_measured_or_not_a_number_never_passes_a_limit_or_the_target():
+    """A NaN flip rate fails its limit; a variant without a mean KLD fails as not measured; one whose memory was
+    not measured is not shown to fit (undecided); an enforced latency target on an unmeasured prefill rate is
+    undecided; the original is never judged against its own looping replies."""
+    nan_flips = variant(0.01, 80)
+    nan_flips["drift"]["flip_rate"] = float("nan")
+    no_kld = variant(0.01, 80)
+    no_kld["drift"]["kld_mean"] = None
+    no_memory = variant(0.01, 80)
+    no_memory["memory"]["peak_rss_mb"] = None
+    rec = decide({"nan_flips": nan_flips, "no_kld": no_kld, "no_memory": no_memory, "ok": variant(0.02, 70)},
+                 DecisionConfig(max_flip_rate=0.25), QUIET, target())
+    assert rec["variant"] == "ok"
+    assert rec["reasons"]["nan_flips"].startswith("fails constraint: flip rate nan (not a number)")
+    assert rec["reasons"]["no_kld"].startswith("fails constraint: mean KLD not measured")
+    assert rec["reasons"]["no_memory"].startswith("undecided: memory as served") and "not measured" in \
+        rec["reasons"]["no_memory"]
+    no_prefill = variant(0.01, 80)
+    no_prefill["speed"]["prefill_tokens_per_s"] = None
+    enforced = make_target(WorkloadConfig(), DecisionConfig(latency_targets="enforce"), 0.2, HOST)
+    out = decide({"p": no_prefill}, DecisionConfig(latency_targets="enforce"), QUIET, enforced)
+    assert out["variant"] is None and "time to first token not measured" in out["reasons"]["p"]
+    assert out["at_target"]["p"]["meets_latency"] is None
+    looping = variant(0.0, 20)
+    looping["free_running"] = {"replies": 60, "degenerate_replies": 12, "repeated_4gram_rate_mean": 0.1}
+    assert decide({"original": looping}, DecisionConfig(), QUIET, target())["variant"] == "original"
+
+
+def test_a_pick_that_alone_was_ranked_does_not_claim_to_be_the_only_one_meeting_the_constraints():
+    dense = variant(0.001, 500)
+    dense["no_native_kernel"] = "no native kernel on this device: torch.nn.Linear (float32), dequantized at load"
+    rec = decide({"q8": variant(0.01, 80), "awq": dense}, DecisionConfig(), QUIET, target())
+    assert rec["variant"] == "q8" and "the only variant ranked on decode tok/s" in rec["summary"]
+    assert "1 other(s) meet every constraint but were not ranked: awq" in rec["summary"]
+    zero = decide({"a": variant(0.01, 0.0, rounds=[]), "b": variant(0.02, 10.0, rounds=[])}, DecisionConfig(), QUIET,
+                  target())
+    assert zero["variant"] == "b"               # a lead of 0 tok/s is not a division by zero
+
+
+def test_one_unit_per_stratum_leaves_no_degrees_of_freedom_and_no_point_interval():
+    from pipeline.measure.stats import ratio_t_interval
+
+    alone = ratio_t_interval([1.0, 2.0, 3.0, 4.0], [10, 10, 10, 10], strata=["a", "b", "c", "d"])
+    assert alone["low"] < alone["estimate"] < alone["high"]                 # singletons pooled: df 3
+    one = ratio_t_interval([1.0], [10])
+    assert one["low"] == -math.inf and one["high"] == math.inf

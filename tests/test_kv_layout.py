@@ -111,3 +111,59 @@ def test_the_formula_meets_transformers_own_cache_at_the_same_context(kind):
         measured = _measured_kv_per_token(model, tokens)
         formula = kv_bytes_per_token_formula(f, 4, tokens, latent=HFRuntime.latent_kv_cache)
         assert abs(measured - formula) / formula < 0.10, (kind, tokens, measured, formula)
+
+
+@pytest.mark.slow
+def test_an_interleaved_window_model_on_llama_cpp_matches_the_formula_at_its_report(tmp_path):
+    """Gemma 3 270M's layout at small width (5 local layers of a 512-token window, 1 global, 1 KV head of 256)
+    converted by llama.cpp's converter and loaded by the llama.cpp runtime: llama.cpp logs one cache per kind of
+    layer, and its context keeps full-size caches on the local layers too (``swa_full``). The runtime's report
+    (both caches, per cell) and the formula at the report's context, counting what the runtime keeps, agree within
+    10 %; at the workload's 4,096 tokens the decision's memory counts what the runtime allocates."""
+    import dataclasses
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.config.schema import PROJECT_ROOT
+    from pipeline.infra import families as F
+    from pipeline.measure.capacity import kv_reported_per_token
+    from pipeline.runtimes.llamacpp import LlamaCppRuntime
+    from tests.conftest import compose
+
+    fam = next(f for f in F.FAMILIES if f.name == "gemma3")
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    fam = dataclasses.replace(fam, config=dict(fam.config, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                               num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                               sliding_window=512, layer_types=layer_types))
+    model = tmp_path / "g3"
+    F.build_family(fam, model)
+    src = F.vocab_dir().parent
+    gguf = tmp_path / "g3.gguf"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), str(src), str(PROJECT_ROOT)]),
+               NO_LOCAL_GGUF="")
+    conv = subprocess.run([sys.executable, "-m", "pipeline.quantizers.gguf_convert", str(src), "gemma4", "--",
+                           str(model), "--outfile", str(gguf), "--outtype", "f16", "--model-name", "g3"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert conv.returncode == 0, conv.stderr[-2000:]
+    from transformers import AutoConfig
+
+    facts = {"layers": 6, "kv_heads": 1, "head_dim": 256, "attention_heads": 4,
+             "kv_layout": kv_layout(AutoConfig.from_pretrained(str(model)))}
+    assert facts["kv_layout"]["layer_kinds"] == {"full": 1, "window": 5, "none": 0}
+    cfg = compose([f"paths.artifacts={tmp_path / 'a'}"])
+    rt = LlamaCppRuntime(gguf, {"n_ctx": 4096}, cfg.runtime)
+    try:
+        rt.generate([2, 10, 11, 12], 2, [])             # a live sequence: the report needs one
+        kv = rt.kv_cache_bytes()
+        info = rt.info
+    finally:
+        rt.close()
+    reported = kv_reported_per_token(kv)
+    assert kv["allocated_cells"] == 4096 and info["swa_full"]
+    windows = LlamaCppRuntime.keeps_window_only(info)
+    at_report = kv_bytes_per_token_formula(facts, 2.0, 4096, windows=windows)
+    assert abs(reported - at_report) / at_report <= 0.10, (reported, at_report)
+    # the first cache alone (the global layer), what was read before, is a sixth of it
+    assert reported == pytest.approx(6 * 2 * 256 * 2, rel=0.01)
+    assert kv_bytes_per_token_formula(facts, 2.0, 4096) < 0.5 * reported      # windowed: not this runtime's

@@ -88,9 +88,12 @@ FINITE = (("drift", "kld_mean", "mean KLD"), ("drift", "kld_p99", "p99 KLD"), ("
 
 
 def non_finite(v: dict) -> list[dict]:
-    """A failed constraint per figure that is NaN or infinite, with its likely cause."""
-
+    """A failed constraint per figure that is NaN or infinite, with its likely cause; a variant without a mean KLD
+    (the figure every decision reads) fails as not measured."""
     out = []
+    if (v.get("drift") or {}).get("kld_mean") is None:
+        out.append({"constraint": "finite", "verdict": "fail", "violation": float("inf"),
+                    "message": "mean KLD not measured"})
     dtype = (v.get("runtime_info") or {}).get("dtype")
     for section, key, label in FINITE:
         x = (v.get(section) or {}).get(key)
@@ -103,20 +106,24 @@ def non_finite(v: dict) -> list[dict]:
 
 
 def degeneration(v: dict, d: DecisionConfig, original: dict | None) -> list[dict]:
-    """Looping replies: more than the original's share by ``decision.max_degenerate_increase``, or a mean
-    repeated-4-gram rate over ``decision.degeneration.max_repeated_4gram_rate``."""
+    """Looping replies: a share over the original's by more than ``decision.max_degenerate_increase`` (over none
+    where the run has no original; the original itself is not compared with itself), or a mean repeated-4-gram
+    rate over ``decision.degeneration.max_repeated_4gram_rate``."""
     fr = v.get("free_running") or {}
-    if d.max_degenerate_increase is None or not fr.get("replies"):
+    if not fr.get("replies"):
         return []
     out = []
-    share = fr.get("degenerate_replies", 0) / fr["replies"]
-    ofr = (original or {}).get("free_running") or {}
-    base = ofr.get("degenerate_replies", 0) / ofr["replies"] if ofr.get("replies") else 0.0
-    if share - base > d.max_degenerate_increase:
-        out.append({"constraint": "max_degenerate_increase", "verdict": "fail", "violation": share - base,
-                    "message": f"{fr.get('degenerate_replies')} of {fr['replies']} replies degenerate against the "
-                               f"original's {ofr.get('degenerate_replies', 0)} of {ofr.get('replies', 0)}: more than "
-                               f"{d.max_degenerate_increase * 100:.0f} points over the original's share"})
+    if d.max_degenerate_increase is not None and original is not v:
+        share = fr.get("degenerate_replies", 0) / fr["replies"]
+        ofr = (original or {}).get("free_running") or {}
+        base = ofr.get("degenerate_replies", 0) / ofr["replies"] if ofr.get("replies") else 0.0
+        against = (f"against the original's {ofr.get('degenerate_replies', 0)} of {ofr['replies']}"
+                   if ofr.get("replies") else "(no original's replies in this run: against none)")
+        if share - base > d.max_degenerate_increase:
+            out.append({"constraint": "max_degenerate_increase", "verdict": "fail", "violation": share - base,
+                        "message": f"{fr.get('degenerate_replies')} of {fr['replies']} replies degenerate {against}: "
+                                   f"more than {d.max_degenerate_increase * 100:.0f} points over"
+                                   + (" the original's share" if ofr.get("replies") else " none")})
     limit = (d.degeneration or {}).get("max_repeated_4gram_rate")
     rate = fr.get("repeated_4gram_rate_mean")
     if limit is not None and rate is not None and rate > limit:
@@ -158,7 +165,10 @@ def judge_constraints(v: dict, d: DecisionConfig, pass_drop: dict | None = None,
             continue
         x, iv, where = _value_and_interval(v, metric, iv_key, d)
         if isinstance(x, float) and not math.isfinite(x):
-            continue                                  # failed above as not finite
+            if not any(metric == key for _, key, _ in FINITE):      # else failed above as not finite
+                out.append({"constraint": key, "verdict": "fail", "violation": float("inf"),
+                            "message": msg.format(x=str(x)) + " (not a number)"})
+            continue
         over = (lambda a: a > limit) if kind == "max" else (lambda a: a < limit)
         sign = ">" if kind == "max" else "<"
         lim_s = fmt(metric, limit) if metric not in ("flip_rate", "pass_rate_ratio") else format(limit, ".0%")

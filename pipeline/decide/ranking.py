@@ -163,7 +163,8 @@ def _trial_tests(ok: dict, eligible: list[str], lead: str, metric: str, values: 
     for n in eligible[1:]:
         t = paired_ratio(_trials(ok[n], metric), _trials(ok[lead], metric))
         # without paired trials (a speed stage that did not run for one of them) only the medians compare
-        tests[n] = t or {"ratio": values[n] / values[lead], "p": None, "rounds": 0}
+        ratio = values[n] / values[lead] if values[lead] else (1.0 if values[n] == values[lead] else math.inf)
+        tests[n] = t or {"ratio": ratio, "p": None, "rounds": 0}
     adjusted = adjust_p({n: t["p"] for n, t in tests.items()}, d.multiple_comparisons)
     for n, t in tests.items():
         t["p_adjusted"] = adjusted[n]
@@ -202,8 +203,9 @@ def rank_step(ok: dict[str, dict], names: list[str], objective: str, d: Decision
         step["aa"] = aa
         step["floor"] = aa["floor"] if aa else 0.0
         step["tolerance"] = tolerance = max(step["floor"], d.tie_tolerance)
-        rounds = [len([x for x in _trials(ok[n], metric) if x]) for n in eligible]
-        if len(eligible) > 1 and min(rounds) > 0 and (why := _power(min(rounds), len(eligible) - 1, d)):
+        # the power check over the variants measured in rounds (one without trials compares on its median only)
+        rounds = [r for n in eligible if (r := len([x for x in _trials(ok[n], metric) if x]))]
+        if len(eligible) > 1 and rounds and (why := _power(min(rounds), len(eligible) - 1, d)):
             return {**step, "status": "cannot rank", "lead": None, "tied": list(names), "behind": [],
                     "rounds": min(rounds), "why": f"{step['label']} {why}"}
         tests = _trial_tests(ok, eligible, lead, metric, values, d, tolerance)

@@ -66,8 +66,7 @@ def _judge(variants: dict, d: DecisionConfig, target: dict | None) -> dict:
     drops = pass_drop_tests(ok, d)
     out = {"passing": [], "undecided": [], "failed": {}, "reasons": {}, "not_measurable": {}, "drops": drops}
     for name, v in ok.items():
-        judged = judge_constraints(v, d, drops.get(name), ok.get("original") if name != "original" else None,
-                                   target)
+        judged = judge_constraints(v, d, drops.get(name), ok.get("original"), target)
         fails = [c for c in judged if c["verdict"] == "fail"]
         open_ = [c for c in judged if c["verdict"] == "undecided"]
         notes = [c["message"] for c in judged if c["verdict"] == "not measurable"]
@@ -109,7 +108,7 @@ def decide(variants: dict[str, dict], d: DecisionConfig, noise: dict | None = No
     ok = {n: v for n, v in variants.items() if v["status"] == "ok"}
     points = {n: p for n, v in ok.items() if (p := pareto_point(v)) is not None}
     j = _judge(variants, d, target)
-    reasons, passing, undecided, failed = j["reasons"], j["passing"], j["undecided"], j["failed"]
+    reasons, passing, undecided, failed = j["reasons"], list(j["passing"]), j["undecided"], j["failed"]
     base = {"objective": d.objective, "decision": d.name, "confidence": d.confidence,
             "multiple_comparisons": d.multiple_comparisons, "alpha": d.alpha,
             "pareto_front": pareto_front(points),
@@ -158,8 +157,8 @@ def decide(variants: dict[str, dict], d: DecisionConfig, noise: dict | None = No
             for n in candidates:
                 reasons[n] = f"meets every constraint; {step['why']}"
             return finish({**base, "variant": None, "closest": by_drift[0],
-                           "summary": f"{step['why']}; of the {len(candidates)} variants meeting every constraint "
-                                      f"the highest fidelity is {by_drift[0]} (mean KLD "
+                           "summary": f"{step['why']}; of the {len(candidates)} variants ranked on "
+                                      f"{label(d.objective)} the highest fidelity is {by_drift[0]} (mean KLD "
                                       f"{ok[by_drift[0]]['drift']['kld_mean']:.2g})"})
         if step["status"] != "ranked":
             for n in candidates:
@@ -175,10 +174,13 @@ def decide(variants: dict[str, dict], d: DecisionConfig, noise: dict | None = No
             history[n].append(f"{step['label']} ties {step['lead']}'s ({verdict_words(step, n, d, ok)})")
         candidates = step["tied"]
     best = candidates[0]
+    drift = next((s for s in base["steps"] if s["objective"] == "drift" and s["status"] == "ranked"), None)
     for n in candidates[1:]:        # tied on every step: the higher fidelity (lower point estimate) is shipped
-        reasons[n] = ("meets every constraint" + "".join(f"; {h}" for h in history[n])
-                      + f"; nothing separates it from {best}, whose mean KLD point estimate is lower: the "
-                        "higher-fidelity variant is shipped")
+        why = (f"nothing separates it from {best} on mean KLD ({verdict_words(drift, n, d, ok)}), and {best}'s "
+               "point estimate is the lower: the higher-fidelity variant is shipped"
+               if drift is not None and n in drift["tests"] and drift["values"][n] != drift["values"][best]
+               else f"nothing separates it from {best} on any step (equal figures); {best} is the first by name")
+        reasons[n] = "meets every constraint" + "".join(f"; {h}" for h in history[n]) + f"; {why}"
     b = ok[best]
     clauses = [h for h in history.get(best, []) if " ties " not in h]      # a step that could not rank
     decided, runner = _runner_up(base["steps"], best)
@@ -191,18 +193,27 @@ def decide(variants: dict[str, dict], d: DecisionConfig, noise: dict | None = No
                               "runner_up_value": decided["values"][runner], "tied": bool(t["tied"])}
         earlier = [s for s in base["steps"] if s is not decided and s["status"] == "ranked" and best in s["tied"]]
         for s in earlier:
-            for n in [n for n in s["tied"] if n != best]:
-                words = verdict_words(s, best if n == s["lead"] else n, d, ok)
-                clauses.append(f"{s['label']} ties {n} ({words})")
-        if t["tied"]:
+            if s["lead"] == best:               # every other tied variant was tested against the pick itself
+                clauses += [f"{s['label']} ties {n} ({verdict_words(s, n, d, ok)})" for n in s["tied"][1:]]
+            else:                               # tested against the step's best, not against each other
+                clauses.append(f"{s['label']} ties the step's best, {s['lead']}'s "
+                               f"({verdict_words(s, best, d, ok)})")
+        if t["tied"] and decided["objective"] == "drift" and decided["values"][runner] != decided["values"][best]:
             clauses.append(f"{who}: nothing separates them ({verdict_words(decided, runner, d, ok)}), so the one "
-                           "with the lower mean KLD point estimate (the higher fidelity) is shipped"
-                           if decided["objective"] == "drift" else f"{who}, tied")
+                           "with the lower mean KLD point estimate (the higher fidelity) is shipped")
+        elif t["tied"]:
+            clauses.append(f"{who}: tied ({verdict_words(decided, runner, d, ok)}); nothing separates them on "
+                           f"any step, {best} is the first by name")
         else:
             clauses.append(f"{who} ({verdict_words(decided, runner, d, ok).split(': ', 1)[-1]})")
-    else:
+    elif len(j["passing"]) == 1:
         clauses.append(f"the only variant meeting every constraint ({label(d.objective)} "
                        f"{show(d.objective, objective_value(b, d.objective, target), b)})")
+    else:
+        others = [n for n in j["passing"] if n != best]
+        clauses.append(f"the only variant ranked on {label(d.objective)} "
+                       f"({show(d.objective, objective_value(b, d.objective, target), b)}); "
+                       f"{len(others)} other(s) meet every constraint but were not ranked: " + ", ".join(others))
     flip = b["drift"].get("flip_rate")
     tail = f"meets every constraint: mean KLD {b['drift']['kld_mean']:.4f}" + (
         f", flip rate {flip:.1%}" if flip is not None else "")

@@ -47,10 +47,11 @@ def kv_bytes_per_token_at(v: dict, t: dict) -> float | None:
 
     kv = (v.get("memory") or {}).get("kv_bytes_per_token")
     g = t.get("geometry")
-    if kv is None or not g or not t.get("kv_context"):
-        return kv
-    at = kv_bytes_per_token_formula(g, 1.0, t["context_tokens"])
-    recorded = kv_bytes_per_token_formula(g, 1.0, t["kv_context"])
+    if kv is None or not g or not t.get("kv_context") or (v.get("runtime_info") or {}).get("swa_full"):
+        return kv                   # no window, or a runtime that allocates every layer's cache in full
+    unit = {**g, "kv_heads": 1, "head_dim": 1}          # the per-layer size cancels: layers kept, at each context
+    at = kv_bytes_per_token_formula(unit, 1.0, t["context_tokens"])
+    recorded = kv_bytes_per_token_formula(unit, 1.0, t["kv_context"])
     return kv * at / recorded if recorded else kv
 
 
@@ -104,13 +105,15 @@ def at_target(v: dict, t: dict) -> dict:
     itl = (v.get("speed") or {}).get("itl_p99_s")
     meets_ttft = None if t.get("max_ttft_p99_s") is None or ttft is None else ttft <= t["max_ttft_p99_s"]
     meets_itl = None if t.get("max_itl_p99_s") is None or itl is None else itl <= t["max_itl_p99_s"]
-    judged = [m for m in (meets_ttft, meets_itl) if m is not None]
+    configured = [m for m, limit in ((meets_ttft, t.get("max_ttft_p99_s")), (meets_itl, t.get("max_itl_p99_s")))
+                  if limit is not None]
     return {"served_mb": served / 2**20 if served is not None else None,
             "budget_mb": usable / 2**20 if usable is not None else None, "budget_source": source,
             "fits": None if served is None or usable is None else served <= usable,
             "sequences": sequences_in_budget(v, t), "ttft_s": ttft, "itl_p99_s": itl,
             "meets_ttft": meets_ttft, "meets_itl": meets_itl,
-            "meets_latency": all(judged) if judged else None}
+            # met only where every configured target was judged (an unmeasured figure meets nothing)
+            "meets_latency": None if not configured or None in configured else all(configured)}
 
 
 def where(t: dict) -> str:
@@ -122,14 +125,27 @@ def where(t: dict) -> str:
 def target_constraints(v: dict, t: dict) -> list[dict]:
     """The constraints of the target the variant fails: it does not fit the budget as served; under
     ``latency_targets=enforce`` it misses a latency target. Same shape as ``constraints.judge_constraints``."""
+    if v.get("no_native_kernel"):
+        return [{"constraint": "memory_budget", "verdict": "not measurable", "violation": 0.0,
+                 "message": f"memory and latency as served not judged: {v['no_native_kernel']}"}]
     a = at_target(v, t)
     out = []
+    if a["fits"] is None:
+        out.append({"constraint": "memory_budget", "verdict": "undecided", "violation": 0.0,
+                    "message": f"memory as served ({where(t)}) not measured, so not shown to fit "
+                               f"({a['budget_source']})"})
     if a["fits"] is False:
         out.append({"constraint": "memory_budget", "verdict": "fail",
                     "violation": a["served_mb"] / a["budget_mb"] - 1 if a["budget_mb"] else float("inf"),
                     "message": f"needs {a['served_mb']:.0f} MB as served ({where(t)}: weights + runtime + KV cache) "
                                f"> {a['budget_mb']:.0f} MB ({a['budget_source']} less {t['headroom']:.0%} headroom)"})
     if t.get("latency_targets") == "enforce":
+        for what, key, limit in (("time to first token", "meets_ttft", "max_ttft_p99_s"),
+                                 ("inter-token latency p99", "meets_itl", "max_itl_p99_s")):
+            if t.get(limit) is not None and a[key] is None:
+                out.append({"constraint": limit, "verdict": "undecided", "violation": 0.0,
+                            "message": f"{what} not measured, so not shown to meet workload {t['workload']}'s "
+                                       "target"})
         if a["meets_ttft"] is False:
             out.append({"constraint": "max_ttft_p99_s", "verdict": "fail",
                         "violation": a["ttft_s"] / t["max_ttft_p99_s"] - 1,

@@ -19,15 +19,16 @@ def kv_elements_per_layer_token(facts: dict, latent: bool = False) -> float:
 
 
 def kv_bytes_per_token_formula(facts: dict, element_bytes: float, context: int | None = None,
-                               latent: bool = False) -> float:
+                               latent: bool = False, windows: bool = True) -> float:
     """KV-cache bytes per token of a sequence of ``context`` tokens, from the architecture: every full-attention
     layer keeps each token, a sliding-window layer at most its window (so per token it costs window / context
     beyond the window; None: counted in full, the bound at a short context), a linear-attention or state-space
-    layer nothing per token. Without a recorded layout (facts from before it): every layer full."""
+    layer nothing per token. Without a recorded layout (facts from before it): every layer full. ``windows=False``:
+    the runtime allocates its sliding-window layers' caches in full (llama.cpp's ``swa_full``)."""
     layout = facts.get("kv_layout") or {}
     kinds = layout.get("layer_kinds") or {"full": facts["layers"], "window": 0, "none": 0}
     window = layout.get("window_tokens")
-    share = min(1.0, window / context) if (window and context) else 1.0
+    share = min(1.0, window / context) if (window and context and windows) else 1.0
     layers = kinds["full"] + kinds["window"] * share
     return layers * kv_elements_per_layer_token(facts, latent) * element_bytes
 
@@ -88,7 +89,8 @@ def capacity_plan(v: dict, facts: dict, cap, latent: bool = False) -> dict:
     device = v.get("device_memory") or {}
     on_device = device.get("peak_mb") is not None
     overhead = runtime_overhead_bytes(v) or 0.0
-    element = kv_tok / kv_bytes_per_token_formula(facts, 1.0, cap.context_tokens, latent)
+    windows = not (v.get("runtime_info") or {}).get("swa_full")
+    element = kv_tok / kv_bytes_per_token_formula(facts, 1.0, cap.context_tokens, latent, windows)
 
     def fits(budget_gb: float, w: float, per_tok: float) -> int:
         return sequences_that_fit(budget_gb * 1e9, cap.headroom, w, per_tok, cap.context_tokens, overhead)

@@ -69,24 +69,30 @@ def ratio_t_interval(numerators, denominators, level: float = LEVEL, strata=None
     labels = np.asarray(["all"] * len(den) if strata is None else [str(x) for x in strata])
     if labels.shape != (len(den),):
         raise ValueError(f"ratio_t_interval: {labels.size} strata labels for {len(den)} units")
+    # a stratum of one unit has no variance of its own: such strata are pooled into one
+    single = {g for g in set(labels.tolist()) if int((labels == g).sum()) == 1}
+    labels = np.asarray(["(single units)" if x in single else x for x in labels.tolist()])
     var, groups = 0.0, sorted(set(labels.tolist()))
     for g in groups:
         ug = u[labels == g]
         if len(ug) > 1:
             var = var + len(ug) * ug.var(axis=0, ddof=1)
-    df = max(1, len(den) - len(groups))
-    half = student_t.ppf((1 + level) / 2, df) * np.sqrt(var) / den.sum()
+    df = len(den) - len(groups)
+    # no degrees of freedom left (one unit per stratum): the interval is unbounded, never a point
+    half = (student_t.ppf((1 + level) / 2, df) * np.sqrt(var) / den.sum() if df >= 1
+            else np.full_like(np.asarray(est, dtype=np.float64), np.inf))
     lo, hi = est - half, est + half
     if bounds is not None:
         lo, hi = np.clip(lo, *bounds), np.clip(hi, *bounds)
     listed = num.ndim == 2
     return {"estimate": est.tolist() if listed else float(est), "low": np.asarray(lo).tolist() if listed else float(lo),
             "high": np.asarray(hi).tolist() if listed else float(hi), "level": level, "units": int(len(den)),
-            "method": f"t interval (df {df}) of the ratio estimator, linearized, stratified by suite"}
+            "method": f"t interval (df {max(df, 0)}) of the ratio estimator, linearized, stratified by suite"}
 
 
-def interval(estimate, low, high, level: float = LEVEL, units: int = 0) -> dict:
-    return {"estimate": estimate, "low": low, "high": high, "level": level, "units": units}
+def interval(estimate, low, high, level: float = LEVEL, units: int = 0, method: str | None = None) -> dict:
+    return {"estimate": estimate, "low": low, "high": high, "level": level, "units": units,
+            **({"method": method} if method else {})}
 
 
 def per_conversation_checks(samples: list[dict], before: str = "checks_reference",
@@ -104,9 +110,8 @@ def per_conversation_checks(samples: list[dict], before: str = "checks_reference
 
 
 def conversation_intervals(tf: dict, samples: list[dict], seed: int = 0) -> dict:
-    """95 % t intervals (``ratio_t_interval``) for mean KLD, top-1 agreement, ΔNLL (per token, conversations resampled), pass rate and
-    the paired pass-rate difference against the original (per check, conversations resampled), each stratified by
-    suite (a replicate draws every suite's own number of conversations from that suite)."""
+    """95 % t intervals (``ratio_t_interval``, conversations as units, stratified by suite) for mean KLD, top-1
+    agreement, ΔNLL (per token), pass rate and the paired pass-rate difference against the original (per check)."""
     rows, row_suites = [], []
     for suite, convs in tf.items():
         for cid, c in convs.items():
@@ -122,7 +127,7 @@ def conversation_intervals(tf: dict, samples: list[dict], seed: int = 0) -> dict
         for i, (name, bounds) in enumerate((("kld_mean", (0.0, np.inf)), ("top1_agreement", (0.0, 1.0)),
                                             ("delta_nll", (-np.inf, np.inf)))):
             out[name] = interval(ci["estimate"][i], float(np.clip(ci["low"][i], *bounds)),
-                                 float(np.clip(ci["high"][i], *bounds)), ci["level"], ci["units"])
+                                 float(np.clip(ci["high"][i], *bounds)), ci["level"], ci["units"], ci["method"])
     out.update(checks_intervals(samples, seed))
     return out
 
@@ -142,11 +147,11 @@ def checks_intervals(samples: list[dict], seed: int = 0, before: str = "checks_r
         for i, (name, bounds) in enumerate((("pass_rate", (0.0, 1.0)), ("pass_rate_delta", (-1.0, 1.0)),
                                             ("flip_rate", (0.0, 1.0)))):
             out[name] = interval(ci["estimate"][i], float(np.clip(ci["low"][i], *bounds)),
-                                 float(np.clip(ci["high"][i], *bounds)), ci["level"], ci["units"])
+                                 float(np.clip(ci["high"][i], *bounds)), ci["level"], ci["units"], ci["method"])
         ratio = ratio_t_interval(checks[:, 0], checks[:, 1], strata=suites, bounds=(0.0, np.inf))
         if ratio is not None:
             out["pass_rate_ratio"] = interval(ratio["estimate"], ratio["low"], ratio["high"], ratio["level"],
-                                              ratio["units"])
+                                              ratio["units"], ratio["method"])
     return out
 
 

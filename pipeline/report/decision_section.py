@@ -37,8 +37,10 @@ def _limits_table(summary: dict) -> tuple:
         rows.append(["deployment target", f"workload {t['workload']}: {t['context_tokens']:,} tokens of context × "
                                           f"{t['concurrency']} concurrent sequence(s)"])
         rows.append(["memory budget", f"{t['budget_source']}, less {t['headroom']:.0%} headroom"])
-        rows.append(["latency targets", f"{t['latency_targets']} (time to first token ≤ {t['max_ttft_p99_s']} s, "
-                                        f"inter-token p99 ≤ {t['max_itl_p99_s']} s)"])
+        targets = [x for x in (f"time to first token ≤ {t['max_ttft_p99_s']:g} s" if t.get("max_ttft_p99_s") else "",
+                               f"inter-token p99 ≤ {t['max_itl_p99_s']:g} s" if t.get("max_itl_p99_s") else "") if x]
+        rows.append(["latency targets", f"{t['latency_targets']} ({', '.join(targets)})" if targets
+                     else f"none (workload {t['workload']} sets none)"])
     if d.get("min_recovery") is not None:
         rows.append(["min_recovery (every bench:TASK's recovery, lower 95 % bound at least)",
                      format(d["min_recovery"], ".0%")])

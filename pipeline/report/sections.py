@@ -360,13 +360,17 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
     plots = plots or {}
     ok = {n: v for n, v in summary["variants"].items() if v["status"] == "ok"}
     bw = summary.get("bandwidth") or {}
+    kld_iv = (next(iter(ok.values()), {}).get("intervals") or {}).get("kld_mean") or {}
+    brackets = (f"95 % t intervals of the ratio estimators over {kld_iv.get('units', 0)} conversations, stratified "
+                "by suite" if "t interval" in kld_iv.get("method", "") else
+                f"95 % bootstrap intervals resampling conversations ({kld_iv.get('units', 0)} conversations, 2,000 "
+                "replicates, fixed seed)")
     variants_blocks: list = [main_table(summary), *mark_notes(summary), (
         "KLD: mean token-level KL divergence (nats) of the variant's next-token distribution from the original's, "
         "teacher-forced on the original's own transcripts (top-K + tail bucket, exact where the tail is large). Pass/flips: machine checks on the "
         "variant's free-running replies; a flip is a check whose outcome differs from the original's (pass→fail / "
-        "fail→pass), tested with an exact McNemar test. Brackets: 95 % bootstrap intervals resampling "
-        f"conversations ({(next(iter(ok.values()), {}).get('intervals') or {}).get('kld_mean', {}).get('units', 0)} "
-        "conversations, 2,000 replicates, fixed seed); with this few conversations the intervals are wide, so read "
+        f"fail→pass), tested with an exact McNemar test. Brackets: {brackets}; with this few conversations the "
+        "intervals are wide, so read "
         "overlapping intervals as no measured difference. Degenerate: replies whose repeated 4-gram rate or "
         "looping tail crosses `decision.degeneration`."),
         speed_table(summary), *mark_notes(summary, speed=True),

@@ -249,13 +249,14 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
     info_a = result["artifact"]["info"]
     runtime = runtime_class(result["runtime"])
     element = runtime.cache_element_bytes(info, facts["head_dim"])
-    formula = kv_bytes_per_token_formula(facts, element, kv_context, runtime.latent_kv_cache)
+    windows = runtime.keeps_window_only(info)
+    formula = kv_bytes_per_token_formula(facts, element, kv_context, runtime.latent_kv_cache, windows)
     kv = timing["kv_reported"]
     reported = kv_reported_per_token(kv)
     # the formula is checked at the context the report counts: llama.cpp's allocation for its own context (n_ctx
     # cells), transformers' live cache at the tokens it holds (its sliding-window layers keep at most their window)
     report_context = int(kv_live_tokens(kv) or info.get("n_ctx") or kv_context)
-    at_runtime = kv_bytes_per_token_formula(facts, element, report_context, runtime.latent_kv_cache)
+    at_runtime = kv_bytes_per_token_formula(facts, element, report_context, runtime.latent_kv_cache, windows)
     gap = abs(reported - at_runtime) / at_runtime if reported else None
     memory = {
         "artifact_bytes": result["artifact"]["bytes"],

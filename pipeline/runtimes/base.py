@@ -221,6 +221,12 @@ class Runtime(abc.ABC):
     def kv_cache_label(cls, info: dict) -> str | None:
         return info.get("dtype")
 
+    @classmethod
+    def keeps_window_only(cls, info: dict) -> bool:
+        """A sliding-window layer's cache holds at most its window (False: the runtime allocates it in full, as
+        llama.cpp's context does by default, ``swa_full``)."""
+        return not info.get("swa_full", False)
+
     # ------------------------------------------------------------------ the interface
     @abc.abstractmethod
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> Generation:

@@ -14,7 +14,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from pipeline.infra.errors import ConfigError, Skip
-from pipeline.runtimes.hf_load import check_loaded, range_overflow, safe_dtype
+from pipeline.runtimes.hf_load import check_loaded, free_memory, range_overflow, safe_dtype
 from pipeline.runtimes.placement import device_index, hf_placement
 from pipeline.runtimes.base import (FullLogitsRuntime, Generation, TokenChoice, as_blocks, block_rows,
                                     greedy_decode, greedy_decode_many, in_position_order)
@@ -143,6 +143,7 @@ class HFRuntime(FullLogitsRuntime):
             dtype, dtype_why = safe_dtype(dtype, overflow, self.device, bool(options.get("dtype")))
             self.dtype = getattr(torch, dtype)
             del model, self.model
+            free_memory(self.device)
         self._cache = None
         self._cache_ids: list[int] = []
         self.choice = TokenChoice.from_config(rcfg)

@@ -37,13 +37,13 @@ def range_overflow(model, dtype: str, device: str) -> str | None:
         return None
     import torch
 
-    vocab = int(model.config.vocab_size)
+    vocab = int(model.get_input_embeddings().num_embeddings)
     ids = torch.tensor([[(7919 * i + 13) % vocab for i in range(_PROBE_TOKENS)]], dtype=torch.long, device=device)
     with torch.inference_mode():
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
     if not bool(torch.isfinite(out.logits).all()):
         return "float16 gave non-finite logits on a range probe (the model's activations exceed its range)"
-    peak = max(float(h.float().abs().max()) for h in out.hidden_states)
+    peak = max((float(h.float().abs().max()) for h in (out.hidden_states or ())), default=0.0)
     if peak > _FP16_MARGIN:
         return (f"float16 holds this model's activations with no margin (a hidden state of {peak:.0f} on a range "
                 f"probe; float16 overflows at 65504)")
@@ -59,3 +59,16 @@ def safe_dtype(dtype: str, overflow: str, device: str, configured: bool) -> tupl
                           "expected bfloat16 or float32 (or leave it unset)")
     safe = "float32" if device == "cpu" else "bfloat16"
     return safe, f"{overflow}: computed in {safe} instead, which has float32's range"
+
+
+def free_memory(device: str) -> None:
+    """Release a model dropped before loading it again (accelerate's hooks can hold it in a reference cycle), so
+    the second load's peak is its own."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()

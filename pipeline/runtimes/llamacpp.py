@@ -204,6 +204,9 @@ class LlamaCppRuntime(FullLogitsRuntime):
             "n_batch": self.llm.n_batch,       # llama-cpp-python clips it to n_ctx
             "flash_attn": flash,
             "kv_unified": rcfg.kv_unified,     # how generate_many lays out several sequences' cells
+            # llama.cpp's context default keeps a full-size cache on sliding-window layers too (llama-server's
+            # does not): what the KV formula must count for this runtime
+            "swa_full": bool(self.llm.context_params.swa_full),
             "cache_type_k": options.get("cache_type_k", "f16"),
             "cache_type_v": options.get("cache_type_v", "f16"),
             "kernel": f"ggml-{'cuda' if use_gpu else 'cpu'}",
@@ -469,10 +472,12 @@ class LlamaCppRuntime(FullLogitsRuntime):
             return None
         out = {"bytes": int(llama_cpp.llama_state_seq_get_size(self.llm._ctx.ctx, 0)), "tokens": n,
                "source": "llama_state_seq_get_size"}
-        m = _KV_LINE.search(self._load_log)
-        if m:
-            out["allocated_bytes"] = int(round(float(m.group(1)) * 2**20))
-            out["allocated_cells"] = int(m.group(2))
+        # an interleaved sliding-window model logs two caches (the global layers', then the local layers'): the
+        # allocation is both, per cell of the context (the larger cell count)
+        caches = _KV_LINE.findall(self._load_log)
+        if caches:
+            out["allocated_bytes"] = int(round(sum(float(size) for size, _ in caches) * 2**20))
+            out["allocated_cells"] = max(int(cells) for _, cells in caches)
         return out
 
     def close(self) -> None:

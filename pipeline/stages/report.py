@@ -58,7 +58,8 @@ def redecide_report(cfg: Config) -> dict:
         raise ConfigError(f"run.name={cfg.run.name!r}: no summary.json in {out_dir}: expected a finished run "
                           "(make compare, then quantdrift report)")
     summary = read_json(path)
-    target = make_target(cfg.workload, cfg.decision, cfg.capacity.headroom, summary.get("hardware"),
+    headroom = (summary.get("capacity") or {}).get("headroom", cfg.capacity.headroom)     # the run's own
+    target = make_target(cfg.workload, cfg.decision, headroom, summary.get("hardware"),
                          summary.get("model"), (summary.get("capacity") or {}).get("context_tokens"))
     summary["recommendation"] = decide(summary["variants"], cfg.decision, summary.get("speed_noise"), target)
     summary["decision_config"] = cfg.decision.__dict__
