@@ -36,6 +36,9 @@ def _copy_threads(a, b, threads: int) -> float:
     return time.perf_counter() - t0
 
 
+_MAX_BUFFER = 768 * 2**20
+
+
 def last_level_cache_bytes() -> int | None:
     """The largest CPU cache's size from sysfs (index*/size, e.g. "32768K"); None where it is not exposed."""
     sizes = []
@@ -58,7 +61,7 @@ def measure_bandwidth(device: str = "cpu", mib: int = 512, repeats: int = 7, thr
 
     CPU: a numpy copy split over ``threads`` threads (the runtimes' own thread count: one thread's copy cannot reach
     what several cores' memory traffic does, and a decode at 2 threads then read 160 % of a one-thread figure),
-    over a buffer at least 8x the last-level cache. Noise: the CPU time other processes used during the
+    over a buffer at least 8x the last-level cache (at most 768 MiB, where that is more than ``mib``). Noise: the CPU time other processes used during the
     measurement, as a share of the machine (the speed probe's check); above ``max_cpu_noise`` it is measured once
     more and the quieter measurement is kept, flagged when still noisy. CUDA: a device-to-device copy with torch."""
     import os
@@ -87,7 +90,9 @@ def measure_bandwidth(device: str = "cpu", mib: int = 512, repeats: int = 7, thr
     threads = threads or usable_cpus()
     llc = last_level_cache_bytes()
     if llc and n < 8 * llc:
-        n = 8 * llc
+        # 8x the last-level cache, but no more than _MAX_BUFFER: a VM's sysfs names its host's whole L3 (300 MiB
+        # on one Xeon of this machine kind, 8x of it a 4.8 GB pair of buffers) of which its two cores get a share
+        n = max(n, min(8 * llc, _MAX_BUFFER))
     a = np.ones(n // 8)
     b = np.empty_like(a)
     np.copyto(b, a)                       # touch every page once
