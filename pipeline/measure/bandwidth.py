@@ -61,7 +61,7 @@ def measure_bandwidth(device: str = "cpu", mib: int = 512, repeats: int = 7, thr
 
     CPU: a numpy copy split over ``threads`` threads (the runtimes' own thread count: one thread's copy cannot reach
     what several cores' memory traffic does, and a decode at 2 threads then read 160 % of a one-thread figure),
-    over a buffer of 8x the last-level cache, no less than ``mib`` and no more than 768 MiB beyond it. Noise: the CPU time other processes used during the
+    over a buffer of 8x the last-level cache, kept within ``mib`` and 768 MiB. Noise: the CPU time other processes used during the
     measurement, as a share of the machine (the speed probe's check); above ``max_cpu_noise`` it is measured once
     more and the quieter measurement is kept, flagged when still noisy. CUDA: a device-to-device copy with torch."""
     import os
