@@ -188,7 +188,22 @@ def test_promote_keeps_the_previous_baseline(tmp_path):
 
 
 def test_cli_regress_exit_codes(tmp_path):
+    """The console entry point as the nightly job calls it: 0 when nothing regressed, 1 for a regression, 2 when
+    the run itself failed (a variant failed) and for bad input."""
     exe = [sys.executable, "-m", "pipeline.cli"]
+    base = tmp_path / "base.json"
+    write_json(base, _summary())
+
+    def regress_with(new: dict) -> int:
+        write_json(tmp_path / "results" / MODEL / "nightly" / "summary.json", new)
+        return subprocess.run(exe + ["regress", f"baseline={base}", "run.name=nightly",
+                                     f"paths.results={tmp_path / 'results'}", f"paths.artifacts={tmp_path / 'a'}"],
+                              capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300).returncode
+
+    worse, failed = _summary(), _summary()
+    worse["variants"]["gguf_q8_0"]["drift"]["kld_mean"] = 0.02
+    failed["variants"]["gguf_q4_0"] = {"status": "failed", "reason": "RuntimeError: out of memory"}
+    assert [regress_with(_summary()), regress_with(worse), regress_with(failed)] == [0, 1, 2]
     r = subprocess.run(exe + ["baseline", "--oops"], capture_output=True, text=True, cwd=PROJECT_ROOT)
     assert r.returncode == EXIT_BAD_INPUT
 
