@@ -13,9 +13,7 @@ are printed.
 
 from __future__ import annotations
 
-import math
-
-from pipeline.measure.capacity import runtime_overhead_bytes
+from pipeline.measure.capacity import runtime_overhead_bytes, sequences_that_fit
 
 
 def make_target(workload, decision, headroom: float, hardware: dict | None, facts: dict | None = None,
@@ -68,26 +66,34 @@ def budget_bytes(v: dict, t: dict) -> tuple[float | None, str]:
     return None, "no budget (the machine's memory was not recorded)"
 
 
+def _weights_runtime_kv(v: dict, t: dict) -> tuple[float, float, float] | None:
+    """(weights, runtime overhead, KV bytes per token at the workload's context), None where one is missing."""
+    weights = (v.get("memory") or {}).get("artifact_bytes")
+    overhead = runtime_overhead_bytes(v)
+    kv = kv_bytes_per_token_at(v, t)
+    if weights is None or overhead is None or kv is None:
+        return None
+    return float(weights), overhead, kv
+
+
 def served_bytes(v: dict, t: dict) -> float | None:
     """Weights + runtime + KV cache of the workload's sequences, in bytes (None where a figure is missing)."""
-    mem = v.get("memory") or {}
-    kv = kv_bytes_per_token_at(v, t)
-    overhead = runtime_overhead_bytes(v)
-    if kv is None or overhead is None or mem.get("artifact_bytes") is None:
+    parts = _weights_runtime_kv(v, t)
+    if parts is None:
         return None
-    return float(mem["artifact_bytes"]) + overhead + kv * t["context_tokens"] * t["concurrency"]
+    weights, overhead, kv = parts
+    return weights + overhead + kv * t["context_tokens"] * t["concurrency"]
 
 
 def sequences_in_budget(v: dict, t: dict) -> int | None:
-    """How many sequences of the workload's context fit the budget less headroom beside the weights and runtime."""
-    mem = v.get("memory") or {}
+    """How many sequences of the workload's context fit the budget less headroom beside the weights and runtime
+    (``capacity.sequences_that_fit``)."""
+    parts = _weights_runtime_kv(v, t)
     budget, _ = budget_bytes(v, t)
-    overhead = runtime_overhead_bytes(v)
-    kv = kv_bytes_per_token_at(v, t)
-    if budget is None or overhead is None or not kv or mem.get("artifact_bytes") is None:
+    if budget is None or parts is None or not parts[2]:
         return None
-    free = budget * (1 - t["headroom"]) - float(mem["artifact_bytes"]) - overhead
-    return max(0, math.floor(free / (kv * t["context_tokens"])))
+    weights, overhead, kv = parts
+    return sequences_that_fit(budget, t["headroom"], weights, kv, t["context_tokens"], overhead)
 
 
 def ttft_estimate_s(v: dict, t: dict) -> float | None:

@@ -17,14 +17,18 @@ from pipeline.infra.files import atomic_write_text, dumps, read_jsonl, write_jso
 log = logging.getLogger(__name__)
 
 
+def _history(cfg: Config) -> list[dict]:
+    """The nightly gate's history lines the report's trend plot draws ([] before the first)."""
+    path = Path(cfg.paths.results) / "history.jsonl"
+    return read_jsonl(path) if path.is_file() else []
+
+
 def write_report(cfg: Config) -> dict:
     out_dir = cfg.results_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     log.info("report: summarising %d variant(s) into %s", len(cfg.run.variants or [cfg.variant.name]), out_dir)
     summary = build_summary(cfg)
-    history_path = Path(cfg.paths.results) / "history.jsonl"
-    history = read_jsonl(history_path) if history_path.is_file() else []
-    plots = make_plots(summary, out_dir, history)
+    plots = make_plots(summary, out_dir, _history(cfg))
     samples = []
     for name in summary["variants"]:
         r = load_result(cfg, name)
@@ -65,8 +69,7 @@ def redecide_report(cfg: Config) -> dict:
     summary["decision_config"] = cfg.decision.__dict__
     summary["redecided_unix"] = time.time()
     validate_summary(summary)
-    history_path = Path(cfg.paths.results) / "history.jsonl"
-    plots = make_plots(summary, out_dir, read_jsonl(history_path) if history_path.is_file() else [])
+    plots = make_plots(summary, out_dir, _history(cfg))
     samples_path = out_dir / "samples.jsonl"
     samples = read_jsonl(samples_path) if samples_path.is_file() else []
     write_json(out_dir / "summary.json", summary, sort_keys=False)
