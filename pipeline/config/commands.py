@@ -119,19 +119,25 @@ class RegressConfig:
     tolerances: dict = field(default_factory=dict)
     per_variant: dict = field(default_factory=dict)
     promote: str = ""            # `quantdrift baseline promote RUN`: the run to make the new baseline
-    control: str = ""            # the speed control ("" = the run's A/A control, speed_noise.control)
-    control_relative: bool = True     # judge speed as a ratio to the control measured in the same rounds
-    control_min_tolerance: float = 0.05   # the control-relative tolerance is never below this
+    controls: dict = field(default_factory=dict)   # runtime -> its speed control ({} = each runtime's best fidelity)
+    control_relative: bool = True     # judge speed as a ratio to the runtime's control measured in the same rounds
+    speed_margin: float = 0.05        # a control-relative change must lie wholly beyond this to regress
+    detect_target: float = 0.10       # the detectable regression the gate says how to reach when above it
 
     KEYS = ("rel", "abs", "ratio", "interval", "better")
 
     def __post_init__(self) -> None:
+        from pipeline.config.backends import RUNTIMES
         from pipeline.config.summary_contract import METRICS
 
         judged = {m.name: m for m in METRICS if m.better}
-        _require(isinstance(self.control_min_tolerance, (int, float)) and 0 <= self.control_min_tolerance < 1,
-                 "regress.control_min_tolerance", self.control_min_tolerance, "a fraction in [0, 1)")
-        _require(isinstance(self.control, str), "regress.control", self.control, "a variant's name or \"\"")
+        for key in ("speed_margin", "detect_target"):
+            val = getattr(self, key)
+            _require(isinstance(val, (int, float)) and 0 <= val < 1, f"regress.{key}", val, "a fraction in [0, 1)")
+        _require(isinstance(self.controls, dict) and all(isinstance(v, str) and v for v in self.controls.values()),
+                 "regress.controls", self.controls, "a mapping of runtime (hf, llamacpp) to a variant's name")
+        for runtime in self.controls:
+            _one_of("regress.controls runtime", runtime, tuple(RUNTIMES))
         for where, tol in [("tolerances", self.tolerances)] + [(f"per_variant.{v}", t)
                                                               for v, t in (self.per_variant or {}).items()]:
             for metric, spec in (tol or {}).items():

@@ -135,10 +135,24 @@ class SpeedConfig:
     # time each round under another label; the two must come out tied.
     aa: bool = True
     control: str = "auto"
+    # After those rounds, rounds of these runtimes' variants only (cheap ones), until the nightly gate could detect
+    # a regress.detect_target slowdown beyond regress.speed_margin from this run's spread, within both caps
+    # (extra_max_rounds 0: none).
+    extra_runtimes: list = field(default_factory=list)
+    extra_max_rounds: int = 0
+    extra_max_minutes: float = 10.0
 
     def __post_init__(self) -> None:
+        from pipeline.config.backends import RUNTIMES
+
         for key in ("prompt_tokens", "decode_tokens", "repeats", "trials"):
             _positive_int(f"profile.speed.{key}", getattr(self, key))
+        _require(isinstance(self.extra_max_rounds, int) and self.extra_max_rounds >= 0,
+                 "profile.speed.extra_max_rounds", self.extra_max_rounds, "a non-negative integer")
+        _require(isinstance(self.extra_max_minutes, (int, float)) and self.extra_max_minutes > 0,
+                 "profile.speed.extra_max_minutes", self.extra_max_minutes, "a positive number of minutes")
+        for runtime in self.extra_runtimes or []:
+            _one_of("profile.speed.extra_runtimes", runtime, tuple(RUNTIMES))
 
 
 @dataclass

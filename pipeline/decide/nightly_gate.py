@@ -143,13 +143,15 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
     same_env, env_note = environment_matches(new, base)
     same_dec, dec_note = decoding_matches(new, base)
     same_checks, checks_note = checks_match(new, base)
-    # speed as a ratio to a control measured in the same rounds: compared whenever the control and the hardware
-    # are unchanged, even when other libraries changed (that is the regression the gate is for)
+    # speed as a per-round ratio to a control on the variant's own runtime, measured in the same rounds: judged
+    # wherever that runtime's control and the hardware are unchanged, even when other libraries changed
     control = speed_control.plan(new, base, cfg_regress)
-    relative = set(control["tolerances"]) if control["applies"] else set()
+    applies = {rt for rt, e in control["runtimes"].items() if e["applies"]}
+    speed = set(speed_control.speed_metrics())
+    absolute_ok = same_env or cfg_regress.compare_all
     judged = [m.name for m in catalogue.METRICS if m.better]
-    metrics = judged if (same_env or cfg_regress.compare_all) else [
-        m for m in judged if catalogue.BY_NAME[m].hardware_independent or m in relative]
+    metrics = [m for m in judged if absolute_ok or catalogue.BY_NAME[m].hardware_independent
+               or (m in speed and applies)]
     # why each left-out metric is left out: "environment" or "decoding" (the result's note of that name says how)
     why = {m: "environment" for m in judged if m not in metrics}
     # the free-running replies' metrics (pass and flip rates) need the same decoding and the same checks
@@ -163,42 +165,55 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
         if base_v.get("status") != "ok":
             continue
         if new_v is None or new_v.get("status") != "ok":
-            why = "missing from this run" if new_v is None else f"{new_v.get('status')}: {new_v.get('reason')}"
-            cases.append({"variant": name, "metric": "status", "regressed": True, "message": why})
+            reason = "missing from this run" if new_v is None else f"{new_v.get('status')}: {new_v.get('reason')}"
+            cases.append({"variant": name, "metric": "status", "regressed": True, "message": reason})
             continue
+        runtime = new_v.get("runtime") or ""
+        entry = control["runtimes"].get(runtime) or {}
         for metric in metrics:
             tol = {**(cfg_regress.tolerances or {}).get(metric, {}),
                    **((cfg_regress.per_variant or {}).get(name, {}) or {}).get(metric, {})}
             if not tol:
                 continue
-            if metric in relative and name == control["control"]:
-                d = control["drift"].get(metric)
-                msg = ("the control: its own change is the machine drift, reported and not gated"
-                       + (f" ({d['new']:.4g} vs {d['base']:.4g}, {d['change']:+.0%})" if d else ""))
-                cases.append({"variant": name, "metric": metric, "regressed": False, "message": msg})
-                continue
-            if metric in relative:
-                bad, msg = speed_control.compare(metric, name, new, base, control["control"],
-                                                 control["tolerances"][metric])
+            case = {"variant": name, "metric": metric}
+            if metric in speed and runtime in applies and name == entry["control"]:
+                d = entry["drift"].get(metric)
+                case.update(regressed=False, message=(
+                    f"the {speed_control.runtime_label(runtime)} control: its own change is that runtime's machine "
+                    "drift, reported and not gated" + (f" ({d['new']:.4g} vs {d['base']:.4g}, {d['change']:+.0%})"
+                                                        if d else "")))
+            elif metric in speed and runtime in applies:
+                bad, msg, figures = speed_control.compare(metric, name, new, base, entry["control"],
+                                                          cfg_regress.speed_margin, cfg_regress.detect_target,
+                                                          entry["round_s"])
+                case.update(regressed=bad, message=msg, relative=figures)
+            elif metric in speed and not absolute_ok:
+                case.update(regressed=False, skipped=True, message=(
+                    f"not compared: {speed_control.runtime_label(runtime)} speed is not judged against a control "
+                    f"({entry.get('note') or 'no control of that runtime in the baseline'}) and {env_note}"))
             else:
                 bad, msg = compare_metric(metric, new_v, base_v, tol)
-            cases.append({"variant": name, "metric": metric, "regressed": bad, "message": msg})
+                case.update(regressed=bad, message=msg)
+            cases.append(case)
     skipped = [m for m in (cfg_regress.tolerances or {}) if m in judged and m not in metrics]
     return {"cases": cases, "regressions": sum(c["regressed"] for c in cases), "environment": env_note,
             "same_environment": same_env, "decoding": dec_note, "same_decoding": same_dec,
             "checks": checks_note, "same_checks": same_checks,
-            "speed_control": control, "control_relative": sorted(relative),
+            "speed_control": control, "control_relative": sorted(speed) if applies else [],
             "skipped_metrics": skipped, "skipped_because": {m: why[m] for m in skipped}}
 
 
 def junit_xml(result: dict, suite_name: str) -> str:
     cases = result["cases"]
     root = ET.Element("testsuite", name=suite_name, tests=str(len(cases)), failures=str(result["regressions"]),
-                      errors="0", skipped=str(len(result["skipped_metrics"])))
+                      errors="0", skipped=str(len(result["skipped_metrics"]) + sum(bool(c.get("skipped"))
+                                                                                  for c in cases)))
     for c in cases:
         tc = ET.SubElement(root, "testcase", classname=f"quantdrift.{c['variant']}", name=c["metric"])
         if c["regressed"]:
             ET.SubElement(tc, "failure", message=f"{c['variant']} {c['metric']} regressed: {c['message']}").text = c["message"]
+        elif c.get("skipped"):
+            ET.SubElement(tc, "skipped", message=c["message"])
         else:
             ET.SubElement(tc, "system-out").text = c["message"]
     for m in result["skipped_metrics"]:
@@ -224,15 +239,31 @@ def diff_markdown(result: dict, new_path: Path, base_path: Path) -> str:
                      + " (promote a baseline scored with this run's checks: `make promote`).")
     control = result.get("speed_control") or {}
     if control:
-        lines.append(("Speed: judged as a ratio to the control measured in the same interleaved rounds ("
-                      f"{control['note']})." if result.get("control_relative") else
+        lines.append(("Speed: judged per runtime as a ratio to that runtime's control measured in the same "
+                      f"interleaved rounds ({control['note']}); a figure regresses when its change's 95 % interval "
+                      f"lies wholly beyond the {control['margin']:.0%} margin." if result.get("control_relative") else
                       f"Speed: judged on absolute figures ({control['note']})."))
         lines += speed_control.drift_lines(control)
+        detect = _detectable(result)
+        if detect:
+            lines.append("Smallest regression this pair of runs would catch (80 % power), per variant: "
+                         + "; ".join(detect) + ".")
     lines += ["", "| variant | metric | result | detail |", "|---|---|---|---|"]
     for c in sorted(result["cases"], key=lambda c: (not c["regressed"], c["variant"], c["metric"])):
         lines.append(f"| {c['variant']} | {c['metric']} | {'**REGRESSED**' if c['regressed'] else 'ok'} | "
                      f"{c['message'].replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+def _detectable(result: dict) -> list[str]:
+    """'<variant> decode -9.1 %, prefill -7.0 %' for every variant judged against its runtime's control."""
+    short = {"decode_tokens_per_s": "decode", "prefill_tokens_per_s": "prefill"}
+    out: dict[str, list[str]] = {}
+    for c in sorted(result["cases"], key=lambda c: list(short).index(c["metric"]) if c["metric"] in short else 9):
+        if c.get("relative") and c["metric"] in short:
+            sign = "-" if catalogue.BY_NAME[c["metric"]].better == "higher" else "+"
+            out.setdefault(c["variant"], []).append(f"{short[c['metric']]} {sign}{c['relative']['detectable']:.1%}")
+    return [f"{v} {', '.join(parts)}" for v, parts in out.items()]
 
 
 def _git_commit() -> str | None:
@@ -250,15 +281,27 @@ def history_line(summary: dict, result: dict | None) -> dict:
         "commit": _git_commit(), "versions": summary.get("versions"), "hardware": summary.get("hardware"),
         "recommendation": summary["recommendation"].get("variant"),
         "regressions": None if result is None else result["regressions"],
-        # the control's own speed against the baseline's: this machine's drift (a trend across nightly runs)
+        # each runtime's control against the baseline's: this machine's drift per engine (a trend across runs)
         "machine_drift": None if result is None else {
-            m: d["change"] for m, d in ((result.get("speed_control") or {}).get("drift") or {}).items()},
+            rt: {"control": e["control"], **{m: d["change"] for m, d in e["drift"].items()}}
+            for rt, e in ((result.get("speed_control") or {}).get("runtimes") or {}).items()},
+        # every variant's speed as a ratio to its runtime's control, and the regression the gate could detect
+        "speed_relative": None if result is None else _relative_rows(result),
         "schema_version": summary.get("schema_version"),
         # every judged metric of the catalogue (a trend plot reads what it knows)
         "variants": {n: {"status": v["status"], **({m.name: catalogue.value(v, m.name) for m in catalogue.METRICS
                                                     if m.better} if v["status"] == "ok" else {})}
                      for n, v in summary["variants"].items()},
     }
+
+
+def _relative_rows(result: dict) -> dict:
+    rows: dict[str, dict] = {}
+    for c in result["cases"]:
+        if c.get("relative"):
+            rows.setdefault(c["variant"], {})[c["metric"]] = {
+                k: c["relative"][k] for k in ("ratio", "change", "detectable", "rounds")}
+    return rows
 
 
 def append_history(path: Path, line: dict) -> None:

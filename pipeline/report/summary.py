@@ -94,6 +94,11 @@ def build_summary(cfg: Config) -> dict:
         "speed_protocol": {"rounds": (speed_run or {}).get("rounds"), "order": (speed_run or {}).get("order"),
                            "workers": (speed_run or {}).get("workers", WORKERS_FRESH),
                            "kept_workers": (speed_run or {}).get("kept_workers"),
+                           # the cheap runtimes' rounds after the interleaved ones, and why they stopped
+                           "extra_rounds": len((speed_run or {}).get("extra_order") or []),
+                           "extra_labels": sorted({n for r in (speed_run or {}).get("extra_order") or [] for n in r}),
+                           "extra_stop": (speed_run or {}).get("extra_stop"),
+                           "extra_seconds": (speed_run or {}).get("extra_seconds"),
                            **{k: getattr(cfg.profile.speed, k) for k in ("prompt_tokens", "decode_tokens", "repeats",
                                                                          "warmup", "max_cpu_noise")}},
         # what the run's results cost, stage by stage (each stage's own build time, from its manifest)

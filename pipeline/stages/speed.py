@@ -176,7 +176,7 @@ def speed_protocol() -> dict:
     from pipeline.infra.code_version import code_version
 
     return code_version("pipeline.measure.probe", "pipeline.measure.memory", trial_order, WorkerPool, _control,
-                        measure_speed)
+                        measure_speed, _extra_rounds, extra_spread)
 
 
 def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
@@ -194,6 +194,11 @@ def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
     out_dir = cfg.model_dir / "runs" / cfg.run.name / "speed"
     key = {"specs": {n: stable_hash(s) for n, s in specs.items()}, "trials": sp.trials, "control": control,
            "max_cpu_noise": sp.max_cpu_noise, "protocol": speed_protocol()}
+
+    extra = [n for n in names if specs[n]["runtime"] in (sp.extra_runtimes or [])] if sp.extra_max_rounds else []
+    if extra:
+        key["extra"] = {"labels": extra, "max_rounds": sp.extra_max_rounds, "max_minutes": sp.extra_max_minutes,
+                        "margin": cfg.regress.speed_margin, "target": cfg.regress.detect_target}
 
     def build(tmp):
         journal = Journal(out_dir, "trials", key)
@@ -228,19 +233,116 @@ def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
                         trial = {"error": f"{type(exc).__name__}: {exc}"}
                         pool.drop(label)
                     journal.add(item, trial)
+            extra_order, stop = _extra_rounds(cfg, journal, order, extra, specs, pool)
         finally:
             pool.close()
         log.info("speed: %s", pool.describe())
         labels = [label for label in order[0]]
+        trials = {lab: [journal.get(f"{r}:{lab}") for r in range(len(order))] for lab in labels}
+        for r, round_labels in enumerate(extra_order):
+            for lab in round_labels:
+                trials[lab].append(journal.get(f"x{r}:{lab}"))
         write_json(tmp / "trials.json", {"rounds": len(order), "order": order, "control": control,
+                                         "extra_order": extra_order, "extra_stop": stop,
+                                         "extra_seconds": sum(journal.get(f"x{r}:_seconds")
+                                                              for r in range(len(extra_order))),
                                          "workers": pool.mode(), "kept_workers": pool.kept,
-                                         "fresh_workers": pool.refused,
-                                         "trials": {lab: [journal.get(f"{r}:{lab}") for r in range(len(order))]
-                                                    for lab in labels}})
-        return {"rounds": len(order), "control": control}
+                                         "fresh_workers": pool.refused, "trials": trials})
+        return {"rounds": len(order), "control": control, "extra_rounds": len(extra_order)}
 
     run_stage("speed", out_dir, key, build, force=cfg.force)
     return read_json(out_dir / "trials.json")
+
+
+def extra_spread(trials: dict[str, list[dict]], labels: list[str]) -> float | None:
+    """The widest per-round spread (standard deviation of the log ratio over the rounds both measured, at its upper
+    80 % confidence bound) of any two of ``labels``' decode rates: what the nightly gate's control-relative
+    interval will be made of, for whichever of them it takes as the control."""
+    import statistics
+
+    def rate(t):
+        return t.get("decode_tokens_per_s") if t and "error" not in t else None
+
+    from scipy.stats import chi2
+
+    widest = None
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            d = [math.log(x / y) for x, y in zip(map(rate, trials[a]), map(rate, trials[b])) if x and y]
+            if len(d) >= 3:
+                # an upper 80 % bound, not the sample's own spread: four quiet rounds by luck must not stop the
+                # rounds a noisy machine needs
+                upper = statistics.stdev(d) * math.sqrt((len(d) - 1) / chi2.ppf(0.2, len(d) - 1))
+                widest = max(widest or 0.0, upper)
+    return widest
+
+
+def _extra_rounds(cfg: Config, journal, order: list[list[str]], labels: list[str], specs: dict,
+                  pool: "WorkerPool") -> tuple[list[list[str]], str]:
+    """After the interleaved rounds, rounds of the cheap runtimes' variants only (``profile.speed.extra_runtimes``,
+    each round rotated), until the per-round spread of their ratios to each other lets the nightly gate detect a
+    ``regress.detect_target`` regression beyond ``regress.speed_margin`` against a baseline measured alike, or a
+    cap is reached (``extra_max_rounds``, ``extra_max_minutes``). Returns the extra rounds' order and why they
+    stopped. Deterministic on resume: the need is recomputed from the journal, the time from each round's own
+    recorded seconds."""
+    import time
+
+    from pipeline.decide.speed_control import rounds_needed
+    from pipeline.measure.probe import run_trial
+
+    sp = cfg.profile.speed
+    by_runtime: dict[str, list[str]] = {}
+    for n in labels:
+        by_runtime.setdefault(specs[n]["runtime"], []).append(n)
+    groups = [g for g in by_runtime.values() if len(g) >= 2]
+    if not groups:
+        return [], "no runtime with two variants to compare among the extra runtimes"
+    labels = [n for g in groups for n in g]
+    trials = {n: [journal.get(f"{r}:{n}") for r in range(len(order))] for n in labels}
+    extra_order: list[list[str]] = []
+    spent = 0.0
+    while True:
+        need = 0
+        for g in groups:
+            sd = extra_spread(trials, g)
+            if sd is None:
+                return extra_order, "fewer than 3 measured rounds to size the extra rounds from"
+            need = max(need, rounds_needed({"sd": sd}, {"sd": sd}, cfg.regress.speed_margin,
+                                           cfg.regress.detect_target, "higher") or 0)
+        have = len(order) + len(extra_order)
+        if have >= need:
+            return extra_order, (f"{have} rounds reach a {cfg.regress.detect_target:.0%} detectable regression at "
+                                 "this run's spread")
+        if len(extra_order) >= sp.extra_max_rounds:
+            return extra_order, (f"capped at {sp.extra_max_rounds} extra rounds (profile.speed.extra_max_rounds); "
+                                 f"{need} rounds were needed")
+        per_round = spent / len(extra_order) if extra_order else 0.0
+        if spent + per_round > 60 * sp.extra_max_minutes:
+            return extra_order, (f"capped at {sp.extra_max_minutes:g} min of extra rounds "
+                                 f"(profile.speed.extra_max_minutes); {need} rounds were needed")
+        r = len(extra_order)
+        k = r % len(labels)
+        round_labels = labels[k:] + labels[:k]
+        if f"x{r}:_seconds" not in journal:
+            started = time.monotonic()
+            for label in round_labels:
+                item = f"x{r}:{label}"
+                if item in journal:
+                    continue
+                log.info("speed: extra round %d (need %d rounds in all): %s", r + 1, need, label)
+                try:
+                    worker = pool.worker(label)
+                    trial = run_trial(specs[label], sp.max_cpu_noise, label, worker)
+                except Exception as exc:
+                    log.error("speed trial of %s failed: %s", label, exc)
+                    trial = {"error": f"{type(exc).__name__}: {exc}"}
+                    pool.drop(label)
+                journal.add(item, trial)
+            journal.add(f"x{r}:_seconds", time.monotonic() - started)
+        spent += journal.get(f"x{r}:_seconds")
+        for label in round_labels:
+            trials[label].append(journal.get(f"x{r}:{label}"))
+        extra_order.append(round_labels)
 
 
 def trial_figures(trials: list[dict] | None) -> dict:
