@@ -45,7 +45,7 @@ def test_an_unrecognised_pre_tokenizer_is_named_and_the_override_converts(tmp_pa
     manifest = json.loads((tmp_path / "f16" / "manifest.json").read_text())
     phases = manifest["phases_s"]
     assert set(phases) == {"start", "vocabulary", "tensors", "exit"} and all(v >= 0 for v in phases.values())
-    assert phases["start"] > 0.5 and sum(phases.values()) <= manifest["wall_s"] + 0.01    # an interpreter's imports
+    assert phases["start"] > 0 and sum(phases.values()) <= manifest["wall_s"] + 0.01    # each phase inside the wall
     with pytest.raises(ConfigError, match="model.gguf_pre_tokenizer='smolm' is not a pre-tokenizer.*llama-bpe"):
         convert_checkpoint(_cfg(retokenized, tmp_path, "model.gguf_pre_tokenizer=smolm"), retokenized, "h",
                            "tiny", tmp_path / "f16b")

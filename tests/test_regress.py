@@ -435,3 +435,31 @@ def test_instances_told_apart_by_the_hardware_record(gate):
     code, _, md = gate(new, base)
     assert code == 0 and "hardware differs (cpu_key 'd33f879f' -> '0badc0de')" in md
     assert "not compared: decode_tokens_per_s" in md
+
+
+def _scaled(summary: dict, names, factor: float, metrics=("decode_tokens_per_s", "prefill_tokens_per_s")) -> dict:
+    s = copy.deepcopy(summary)
+    for n in names:
+        values = s["variants"][n]["speed_trials"]["values"]
+        for m in metrics:
+            values[m] = [None if x is None else x * factor for x in values[m]]
+    return s
+
+
+def test_the_gate_on_copies_of_the_committed_default_run(gate):
+    """The committed default run against itself passes; every variant and both controls 30 % slower pass with
+    each runtime's machine drift reported; one llama.cpp variant's decode 10 % slower fails, naming the variant,
+    the figure and the change (its rounds, the extra llama.cpp rounds included, resolve it)."""
+    run = json.loads((PROJECT_ROOT / "results" / MODEL / "quick" / "summary.json").read_text())
+    ok = [n for n, v in run["variants"].items() if v["status"] == "ok"]
+    code, _, md = gate(run, run)
+    assert code == 0, md
+    code, _, md = gate(_scaled(run, ok, 0.7), run)
+    assert code == 0, md
+    assert "Machine drift on llama.cpp (reported, not gated): its control `gguf_f16` decodes 30% slower" in md
+    assert "Machine drift on transformers (reported, not gated): its control `original` decodes 30% slower" in md
+    code, junit, md = gate(_scaled(run, ["gguf_q4_k_m"], 0.9, ("decode_tokens_per_s",)), run)
+    assert code == 1, md
+    failed = [(tc.get("classname"), tc.get("name")) for tc in junit.iter("testcase") if tc.find("failure") is not None]
+    assert failed == [("quantdrift.gguf_q4_k_m", "decode_tokens_per_s")], md
+    assert "| gguf_q4_k_m | decode_tokens_per_s | **REGRESSED** |" in md and "change -10.0%" in md

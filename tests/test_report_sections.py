@@ -385,3 +385,18 @@ def test_the_speed_protocol_line_names_the_kept_probes_when_memory_held_only_som
     assert "a fresh process per trial for the others" in text
     kept = " ".join(map(str, _speed_noise_block({"speed_protocol": {"workers": WORKERS_KEPT, "rounds": 3}})))
     assert "each variant's own probe process, loaded once for all rounds" in kept
+
+
+def test_the_speed_protocol_line_states_the_extra_rounds_and_why_they_stopped():
+    from pipeline.report.sections import _speed_noise_block
+
+    proto = {"rounds": 10, "extra_rounds": 31, "extra_labels": ["gguf_q4_0", "gguf_q8_0"], "extra_seconds": 312.0,
+             "extra_stop": "41 rounds reach a 10% detectable regression at this run's spread"}
+    text = " ".join(map(str, _speed_noise_block({"speed_protocol": proto})))
+    assert ("Then 31 more rounds of gguf_q4_0, gguf_q8_0 only (5.2 min), so that the nightly gate can see a small "
+            "slowdown against their runtime's control: 41 rounds reach a 10% detectable regression") in text
+    none = {"rounds": 10, "extra_rounds": 0, "extra_stop": "10 rounds reach a 10% detectable regression at this "
+                                                           "run's spread"}
+    assert "No extra rounds of the cheap runtimes: 10 rounds reach" in " ".join(
+        map(str, _speed_noise_block({"speed_protocol": none})))
+    assert "more rounds" not in " ".join(map(str, _speed_noise_block({"speed_protocol": {"rounds": 10}})))

@@ -67,6 +67,14 @@ def _speed_noise_block(summary: dict) -> list:
            "the run's noise floor: the A/A pair's largest distance from 1, at least `decision.tie_tolerance` (a "
            "noisy A/A pair widens the floor; it never stops a ranking). Memory is one reading per process: compared "
            "as a difference against the tie tolerance, with no test."]
+    if proto.get("extra_rounds"):
+        secs = proto.get("extra_seconds")
+        out.append(f"Then {proto['extra_rounds']} more rounds of {', '.join(proto.get('extra_labels') or [])} only"
+                   + (f" ({secs / 60:.1f} min)" if secs else "") + f", so that the nightly gate can see a small "
+                   f"slowdown against their runtime's control: {proto.get('extra_stop')}. Comparisons with the other "
+                   "variants pair the interleaved rounds only.")
+    elif proto.get("extra_stop"):
+        out.append(f"No extra rounds of the cheap runtimes: {proto['extra_stop']}.")
     if noise and noise.get("figures"):
         from pipeline.decide.recommendation import aa_negligible
 
