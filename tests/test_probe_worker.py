@@ -50,6 +50,13 @@ def test_a_worker_loads_once_and_measures_every_trial_it_is_asked_for(tiny_llama
     assert not _alive(pid), "close() left the worker running"
 
 
+def test_a_gguf_probe_process_never_loads_torch(tiny_llama, embedded_gguf):
+    """The process that loads a GGUF (the speed probe: on a GPU, llama.cpp's CUDA backend) has no torch module,
+    so torch's CUDA runtime can never share it; the transformers probe does load torch (the check can fail)."""
+    assert run_trial(_spec(embedded_gguf, runtime="llamacpp"), 1.0, "gguf_q8_0")["torch_loaded"] is False
+    assert run_trial(_spec(tiny_llama), 1.0, "original")["torch_loaded"] is True
+
+
 def test_without_a_worker_a_trial_runs_in_a_fresh_process_that_is_gone_after(tiny_llama, own_processes):
     trial = run_trial(_spec(tiny_llama), 1.0, "original")
     assert trial["decode_tokens_per_s"] > 0

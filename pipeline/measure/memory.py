@@ -67,11 +67,14 @@ def device_memory(device: str | None, baseline_used_mb: float | None = None) -> 
 
     if not str(device or "").startswith("cuda"):
         return None
+    import sys
+
     out: dict = {"device": str(device)}
     try:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # torch's allocator is read only where torch already runs: a llama.cpp process must never load torch's CUDA
+        # runtime beside its own (the two in one process crashed at the first CUDA model load)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             idx = torch.device(str(device)).index or 0
             out["torch_allocated_peak_mb"] = torch.cuda.max_memory_allocated(idx) / 2**20
             out["torch_reserved_peak_mb"] = torch.cuda.max_memory_reserved(idx) / 2**20

@@ -258,6 +258,8 @@ def _measure(rt, rcfg, spec: dict, baseline, load_s: float) -> dict:
         "device_memory": device,
         "kv_reported": kv,
         "runtime_info": rt.info,
+        # whether this probe process has torch loaded (a llama.cpp probe must not: two CUDA runtimes in one process)
+        "torch_loaded": "torch" in sys.modules,
     }
 
 
