@@ -199,6 +199,7 @@ compare-deps: setup llama-tools $(if $(strip $(LLMC_VARIANTS)),llmc-env)
 
 compare: compare-deps
 	@mkdir -p artifacts/.runs && printf 'MODEL := %s\nVARIANTS := %s\n' '$(MODEL)' '$(VARIANTS)' > $(RUN_RECORD)
+	$(VENV)/bin/quantdrift command=preflight run.variants=[$(VARIANTS)] $(COMMON)
 	$(VENV)/bin/quantdrift -m variant=$(VARIANTS) $(COMMON)
 	$(LOAD_CMD) load=$(COMPARE_LOAD) $(COMMON) $(LOAD_ARGS)
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)

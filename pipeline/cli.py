@@ -114,6 +114,12 @@ def _prepare(cfg: Config) -> int:
     return 0
 
 
+def _preflight(cfg: Config) -> int:
+    from pipeline.stages.preflight import run_preflight
+
+    return run_preflight(cfg)
+
+
 def _plan(cfg: Config) -> int:
     if cfg.plan.compare:
         from pipeline.stages.plan_compare import compare_run
@@ -141,7 +147,7 @@ def _load(cfg: Config) -> int:
 # command -> what runs it (Config.COMMANDS lists the same names; a test checks they agree)
 COMMANDS = {"evaluate": _evaluate, "report": _report, "redecide": _redecide, "regress": _regress, "baseline": _baseline,
             "corpus": _corpus, "bench": _bench, "prepare": _prepare, "calibration": _calibration,
-            "load": _load, "plan": _plan}
+            "load": _load, "plan": _plan, "preflight": _preflight}
 
 
 def run(cfg: Config) -> int:

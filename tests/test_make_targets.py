@@ -63,8 +63,9 @@ def _stub(path, body):
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-@pytest.mark.parametrize("gate,compare,expected", [(0, 0, 0), (1, 0, 1), (0, 1, 2), (0, 3, 0)])
-def test_nightly_runs_what_compare_runs_and_keeps_its_exit_codes(tmp_path, gate, compare, expected):
+@pytest.mark.parametrize("gate,compare,expected,preflight", [(0, 0, 0, 0), (1, 0, 1, 0), (0, 1, 2, 0), (0, 3, 0, 0),
+                                                               (0, 0, 2, 2)])
+def test_nightly_runs_what_compare_runs_and_keeps_its_exit_codes(tmp_path, gate, compare, expected, preflight):
     (tmp_path / "scripts").mkdir()
     shutil.copy(PROJECT_ROOT / "scripts" / "nightly", tmp_path / "scripts" / "nightly")
     log = tmp_path / "calls.log"
@@ -83,6 +84,7 @@ exit 0
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     _stub(tmp_path / ".venv" / "bin" / "quantdrift", f"""echo "quantdrift $*" >> {log}
 case "$1" in
+  command=preflight) exit {preflight} ;;
   -m) exit {compare} ;;
   regress) exit {gate} ;;
 esac
@@ -95,11 +97,14 @@ exit 0
     calls = log.read_text().splitlines()
     assert any(c.startswith("make -s compare-deps") and "VARIANTS=original,gguf_q8_0,awq_w4_llmc" in c
                for c in calls)
+    qd = [c for c in calls if c.startswith("quantdrift")]
+    assert qd[0].split()[1] == "command=preflight" and "run.variants=[original,gguf_q8_0,awq_w4_llmc]" in qd[0]
     if expected == 2:
         assert not any("regress" in c for c in calls)
+        if preflight:          # a problem every variant would hit: nothing measured after it
+            assert len(qd) == 1 and "pre-flight" in proc.stderr
         return
-    qd = [c for c in calls if c.startswith("quantdrift")]
-    assert [c.split()[1] for c in qd] == ["-m", "command=load", "report", "regress"]
-    assert "load=short" in qd[1] and "bench.llama_tools=/cache/llama-tools/bin" in qd[1]
-    assert "baseline=base.json" in qd[3]
+    assert [c.split()[1] for c in qd] == ["command=preflight", "-m", "command=load", "report", "regress"]
+    assert "load=short" in qd[2] and "bench.llama_tools=/cache/llama-tools/bin" in qd[2]
+    assert "baseline=base.json" in qd[4]
     assert list((tmp_path / "artifacts" / ".runs").glob("*.mk"))

@@ -357,7 +357,7 @@ class Config:
     seed: int = 0
 
     COMMANDS = ("evaluate", "report", "redecide", "regress", "baseline", "corpus", "bench", "prepare", "calibration",
-                "load", "plan")
+                "load", "plan", "preflight")
 
     def __post_init__(self) -> None:
         _one_of("command", self.command, self.COMMANDS)

@@ -38,6 +38,16 @@ def converter_dir(cfg: Config) -> Path:
     return Path(cfg.paths.cache) / f"llama-cpp-python-{version}"
 
 
+def converter_command(src: Path, pre: str, checkpoint: Path, outfile: Path, *args: str) -> tuple[list[str], dict]:
+    """The command and environment that run llama.cpp's converter (vendored at ``src``) through the wrapper that
+    can set the BPE pre-tokenizer name ``pre`` ("" for the converter's own choice)."""
+    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py") + os.pathsep + str(src) + os.pathsep
+               + str(Path(__file__).resolve().parents[2]), NO_LOCAL_GGUF="")
+    cmd = [sys.executable, "-m", "pipeline.quantizers.gguf_convert", str(src), pre, "--", str(checkpoint),
+           "--outfile", str(outfile), *args]
+    return cmd, env
+
+
 def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_name: str, out_dir: Path) -> Path:
     """HF checkpoint -> F16 GGUF with llama.cpp's own converter, cached in ``out_dir``."""
     src = converter_dir(cfg)
@@ -50,10 +60,8 @@ def convert_checkpoint(cfg: Config, checkpoint: Path, upstream_hash: str, model_
         from pipeline.infra.files import check_free_space, dir_bytes
 
         check_free_space(tmp, 1.1 * dir_bytes(checkpoint), f"converting {checkpoint.name} to F16 GGUF")
-        env = dict(os.environ, PYTHONPATH=str(src / "gguf-py") + os.pathsep + str(src) + os.pathsep
-                   + str(Path(__file__).resolve().parents[2]), NO_LOCAL_GGUF="")
-        cmd = [sys.executable, "-m", "pipeline.quantizers.gguf_convert", str(src), pre, "--", str(checkpoint),
-               "--outfile", str(tmp / F16_FILE), "--outtype", "f16", "--model-name", model_name]
+        cmd, env = converter_command(src, pre, checkpoint, tmp / F16_FILE, "--outtype", "f16",
+                                     "--model-name", model_name)
         log.info("converting %s to F16 GGUF with llama.cpp's converter%s", checkpoint,
                  f" (BPE pre-tokenizer set to {pre!r})" if pre else "")
         started = time.time()

@@ -364,11 +364,3 @@ def in_position_order(positions: Sequence[int], ascending: Callable[[list[int]],
     out = np.empty_like(rows)
     out[order] = rows
     yield from as_blocks(out)
-
-
-def require_full_logits(runtime: Runtime, why: str) -> FullLogitsRuntime:
-    if not runtime.full_logits:
-        from pipeline.infra.errors import ConfigError
-
-        raise ConfigError(f"runtime {runtime.name!r} returns no full-vocabulary logits, which {why} needs")
-    return runtime  # type: ignore[return-value]

@@ -1,0 +1,60 @@
+"""The pre-flight of `make compare`: what would stop every variant is found once, before any stage runs, with the
+setting that gets past it; the setting named does get past it."""
+
+import json
+import shutil
+
+import pytest
+
+from pipeline.cli import run
+from pipeline.config.schema import PROJECT_ROOT
+from pipeline.infra.errors import ConfigError
+from tests.conftest import compose
+
+
+def _cfg(model, root, *extra):
+    return compose(["command=preflight", f"model.source={model}", "model.name=tiny", "profile=smoke",
+                    "run.suites=[smoke]", f"paths.artifacts={root / 'artifacts'}", f"paths.results={root / 'results'}",
+                    f"paths.cache={PROJECT_ROOT / '.cache'}", *extra])
+
+
+def _nothing_measured(cfg) -> bool:
+    return not any((cfg.model_dir / d).exists() for d in ("variants", "runs", "reference", "gguf-f16"))
+
+
+def test_a_base_model_without_a_chat_template_is_stopped_once_before_any_stage(tmp_path, tiny_llama):
+    model = shutil.copytree(tiny_llama, tmp_path / "base")
+    (model / "chat_template.jinja").unlink()
+    cfg = _cfg(model, tmp_path, "run.variants=[original,gptq_w4]")
+    with pytest.raises(ConfigError, match=r"(?s)would fail for every variant.*has no chat template.*"
+                                          r"model\.allow_plain_template=true"):
+        run(cfg)
+    assert _nothing_measured(cfg)
+    assert run(_cfg(model, tmp_path, "run.variants=[original,gptq_w4]", "model.allow_plain_template=true")) == 0
+
+
+def test_a_template_that_rewrites_earlier_turns_is_found_on_a_multi_turn_suite(tmp_path, tiny_llama):
+    model = shutil.copytree(tiny_llama, tmp_path / "last-only")
+    (model / "chat_template.jinja").write_text("{{ messages[-1]['content'] }}")   # renders the last turn alone
+    cfg = _cfg(model, tmp_path, "run.variants=[original]", "run.suites=[multi_turn]")
+    with pytest.raises(ConfigError, match=r"(?s)rewrites earlier turns.*run\.suites=\[long_output\].*"
+                                          r"found on multi_turn/"):
+        run(cfg)
+    assert _nothing_measured(cfg)
+    assert run(_cfg(model, tmp_path, "run.variants=[original]", "run.suites=[long_output]")) == 0
+
+
+def test_a_tokenizer_the_converter_does_not_recognise_is_named_once_for_the_gguf_variants(tmp_path, tiny_llama):
+    model = shutil.copytree(tiny_llama, tmp_path / "finetuned")
+    tok = json.loads((model / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = _cfg(model, tmp_path, "run.variants=[original,gguf_q8_0,gguf_q4_k_m]")
+    with pytest.raises(ConfigError) as err:
+        run(cfg)
+    text = str(err.value)
+    assert text.count("GGUF variants: llama.cpp's converter does not recognise this tokenizer's BPE") == 1
+    assert "model.gguf_pre_tokenizer" in text and _nothing_measured(cfg)
+    # without a GGUF variant the converter is not asked; with the override it converts
+    assert run(_cfg(model, tmp_path, "run.variants=[original]")) == 0
+    assert run(_cfg(model, tmp_path, "run.variants=[gguf_q8_0]", "model.gguf_pre_tokenizer=smollm")) == 0
