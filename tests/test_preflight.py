@@ -26,7 +26,7 @@ def test_a_base_model_without_a_chat_template_is_stopped_once_before_any_stage(t
     model = shutil.copytree(tiny_llama, tmp_path / "base")
     (model / "chat_template.jinja").unlink()
     cfg = _cfg(model, tmp_path, "run.variants=[original,gptq_w4]")
-    with pytest.raises(ConfigError, match=r"(?s)would fail for every variant.*has no chat template.*"
+    with pytest.raises(ConfigError, match=r"(?s)before any stage ran.*has no chat template.*"
                                           r"model\.allow_plain_template=true"):
         run(cfg)
     assert _nothing_measured(cfg)
@@ -53,7 +53,8 @@ def test_a_tokenizer_the_converter_does_not_recognise_is_named_once_for_the_gguf
     with pytest.raises(ConfigError) as err:
         run(cfg)
     text = str(err.value)
-    assert text.count("GGUF variants: llama.cpp's converter does not recognise this tokenizer's BPE") == 1
+    assert text.count("llama.cpp's converter does not recognise this tokenizer's BPE") == 1
+    assert "- gguf_q8_0, gguf_q4_k_m: llama.cpp's converter" in text
     assert "model.gguf_pre_tokenizer" in text and _nothing_measured(cfg)
     # without a GGUF variant the converter is not asked; with the override it converts
     assert run(_cfg(model, tmp_path, "run.variants=[original]")) == 0

@@ -40,6 +40,12 @@ class Quantizer(abc.ABC):
     def parse_options(cls, options: dict, where: str = "variant.quantize"):
         return build_settings(cls.Settings, options, where)
 
+    @classmethod
+    def preflight(cls, cfg: Config, checkpoint: Path) -> str | None:
+        """What would stop every variant of this quantizer on this checkpoint, found in seconds before any stage
+        runs (``pipeline.stages.preflight``), with the setting that gets past it; None when nothing does."""
+        return None
+
     def __init__(self, variant: VariantConfig, original: Original, cfg: Config):
         self.variant = variant
         self.original = original

@@ -216,6 +216,22 @@ class GGUFQuantizer(Quantizer):
 
     Settings = GGUFSettings
 
+    @classmethod
+    def preflight(cls, cfg: Config, checkpoint: Path) -> str | None:
+        """llama.cpp's converter on the checkpoint's vocabulary alone (a few seconds, into a scratch folder): its
+        cause in words when it fails (``model.gguf_pre_tokenizer`` where that gets past it)."""
+        import tempfile
+
+        src = converter_dir(cfg)
+        if not (src / "convert_hf_to_gguf.py").is_file():
+            return None             # each GGUF variant reports the missing converter itself (`make converter`)
+        with tempfile.TemporaryDirectory(prefix="quantdrift-preflight-") as tmp:
+            cmd, env = converter_command(src, cfg.model.gguf_pre_tokenizer, checkpoint, Path(tmp) / "vocab.gguf",
+                                         "--vocab-only")
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, **child_options())
+        raise_if_signalled(proc.returncode, "llama.cpp's converter", refusal(proc.stderr + proc.stdout))
+        return None if proc.returncode == 0 else conversion_failure(proc.stderr + proc.stdout, proc.returncode)
+
     @property
     def gguf_type(self) -> str:
         t = str(self.variant.quantize.get("type", "")).upper()

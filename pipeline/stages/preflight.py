@@ -5,8 +5,8 @@ variant, cached) and checks what every variant job would otherwise fail on one a
 
 - a tokenizer without a chat template (a base model), or a template that cannot render a plain conversation;
 - a chat template that rewrites earlier turns, when a selected suite has multi-turn conversations;
-- for GGUF variants, a tokenizer llama.cpp's converter does not recognise (its vocabulary is converted alone, a few
-  seconds, into a scratch folder).
+- each quantizer's own check (``Quantizer.preflight``): for GGUF variants, a tokenizer llama.cpp's converter does
+  not recognise (its vocabulary converted alone, a few seconds, into a scratch folder).
 
 Each found problem is printed once with the setting that gets past it; the command exits 2 (bad input) before any
 stage of the comparison has run.
@@ -15,9 +15,6 @@ stage of the comparison has run.
 from __future__ import annotations
 
 import logging
-import subprocess
-import tempfile
-from pathlib import Path
 
 from pipeline.config.schema import Config
 from pipeline.infra.errors import ConfigError
@@ -43,33 +40,11 @@ def history_problem(renderer, suites: dict) -> str | None:
     return None
 
 
-def converter_problem(cfg: Config, checkpoint: Path) -> str | None:
-    """llama.cpp's converter on the checkpoint's vocabulary alone: None when it converts, else its cause in words
-    (with ``model.gguf_pre_tokenizer`` when that gets past it)."""
-    from pipeline.infra.child_processes import child_options
-    from pipeline.quantizers.gguf import converter_command, converter_dir
-    from pipeline.quantizers.gguf_convert import conversion_failure
-
-    src = converter_dir(cfg)
-    if not (src / "convert_hf_to_gguf.py").is_file():
-        return None             # the GGUF variants report the missing converter themselves (`make converter`)
-    with tempfile.TemporaryDirectory(prefix="quantdrift-preflight-") as tmp:
-        cmd, env = converter_command(src, cfg.model.gguf_pre_tokenizer, checkpoint, Path(tmp) / "vocab.gguf",
-                                     "--vocab-only")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, **child_options())
-    if proc.returncode == 0:
-        return None
-    return "GGUF variants: " + conversion_failure(proc.stderr + proc.stdout, proc.returncode)
-
-
-def _is_gguf(name: str) -> bool:
-    from pipeline.config.compose import load_variant
-
-    return load_variant(name).quantizer == "gguf"
-
-
 def preflight_problems(cfg: Config) -> list[str]:
-    """Every problem that would stop all variants (or all GGUF variants) of this run, each once."""
+    """Every problem that would stop all variants of this run (the model's chat template) or all variants of one
+    quantizer (its own check), each once."""
+    from pipeline.config.compose import load_variant
+    from pipeline.quantizers import quantizer_class
     from pipeline.stages.prepare import prepare
     from pipeline.stages.variant_job import load_suites
     from pipeline.suites.conversation import ChatRenderer
@@ -86,20 +61,23 @@ def preflight_problems(cfg: Config) -> list[str]:
         problem = history_problem(renderer, suites)
         if problem:
             problems.append(problem)
-    if any(_is_gguf(name) for name in cfg.run.variants):
-        problem = converter_problem(cfg, original.checkpoint)
+    by_quantizer: dict[str, list[str]] = {}
+    for name in cfg.run.variants:
+        by_quantizer.setdefault(load_variant(name).quantizer, []).append(name)
+    for quantizer, names in by_quantizer.items():
+        problem = quantizer_class(quantizer).preflight(cfg, original.checkpoint)
         if problem:
-            problems.append(problem)
+            problems.append(f"{', '.join(names)}: {problem}")
     return problems
 
 
 def run_preflight(cfg: Config) -> int:
     problems = preflight_problems(cfg)
     if problems:
-        raise ConfigError("this run would fail for every variant it names, so nothing was measured:\n"
+        raise ConfigError("the pre-flight found what would stop these variants, before any stage ran (nothing was "
+                          "measured):\n"
                           + "\n".join(f"- {p}" for p in problems))
     named = ", ".join(cfg.run.variants) or "none named (run.variants)"
-    print(f"preflight: {cfg.model.name} renders its conversations"
-          + (" and converts to GGUF" if any(_is_gguf(n) for n in cfg.run.variants) else "")
-          + f"; variants: {named}")
+    print(f"preflight: {cfg.model.name} renders its conversations and every quantizer's check passed; variants: "
+          f"{named}")
     return 0
