@@ -73,7 +73,7 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare compare-deps print-compare-load load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-wheel llama-tools browser nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key
+.PHONY: setup compare compare-deps print-compare-load load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-wheel llama-tools browser sandbox nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key
 
 setup: $(VENV)/.installed
 
@@ -195,7 +195,7 @@ LOAD_ARGS ?=
 LOAD_CMD = $(VENV)/bin/quantdrift command=load run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin
 
 # everything `make compare` needs built (scripts/nightly builds the same)
-compare-deps: setup llama-tools $(if $(strip $(LLMC_VARIANTS)),llmc-env)
+compare-deps: setup llama-tools $(if $(strip $(LLMC_VARIANTS)),llmc-env) $(if $(findstring bench:humaneval,$(SUITES)),sandbox)
 
 compare: compare-deps
 	@mkdir -p artifacts/.runs && printf 'MODEL := %s\nVARIANTS := %s\n' '$(MODEL)' '$(VARIANTS)' > $(RUN_RECORD)
@@ -211,8 +211,15 @@ load: setup llama-tools
 report: setup
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 
-test: setup browser llama-tools llmc-env chat-templates
+test: setup browser sandbox llama-tools llmc-env chat-templates
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# bubblewrap confines model-written code (bench:humaneval, pipeline/suites/lmeval/sandbox.py). Debian's package,
+# installed when missing and we may (root); without it such code is refused, never run unconfined.
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null) \
+	  || echo "note: bubblewrap not installed; model-written code (bench:humaneval) will be refused"; }
 
 # Headless Chromium renders report.html in a test. Debian's package, installed when missing and we may (root);
 # elsewhere the test is skipped with the reason.

@@ -179,6 +179,9 @@ class BenchConfig:
     min_ratio: float = 0.9               # target: our speed-up / llama-batched-bench's speed-up
     llama_tools: str = ""                # folder with llama.cpp's tools; "" asks `make print-llama-tools`
     served: bool = True                  # the GGUF variants served (load settings) beside llama-batched-bench
+    # run a benchmark's model-written code (bench:humaneval) even where bubblewrap cannot confine it: refused
+    # otherwise, with the reason (pipeline.suites.lmeval.sandbox)
+    allow_unconfined: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.sequences, list) and self.sequences

@@ -22,7 +22,7 @@ def _sandbox_line(name: str, sb: dict) -> str:
             + (f" (network interfaces seen: {', '.join(sb['network_interfaces']) or 'none'})"
                if sb.get("network_interfaces") is not None else "")
             + f", memory limit {sb.get('memory_mb')} MB, time limit {sb.get('timeout_s')} s per problem"
-            + ("" if sb.get("sandboxed") else "; NOT network-isolated") + ".")
+            + ("" if sb.get("sandboxed") else "; NOT confined (bench.allow_unconfined=true)") + ".")
 
 
 def task_blocks(task: str, entry: dict, variants: dict) -> list:

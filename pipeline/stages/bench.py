@@ -60,6 +60,8 @@ def bench_key(cfg: Config, original: Original, artifact: Artifact, task: str) ->
     runtime = runtime_key(bench_config(cfg), artifact)
     return {"task": get_task(task).key(), **runtime, "tokenizer": original.hash, "limit": cfg.profile.bench_limit_for(task),
             "context_tokens": min(BENCH_CONTEXT_TOKENS, original.facts.get("context_length") or BENCH_CONTEXT_TOKENS),
+            # code run unconfined (accepted explicitly) is not the confined run's result
+            **({"unconfined": True} if cfg.bench.allow_unconfined and get_task(task).unsafe_code else {}),
             "code": {**runtime["code"], **code_version("pipeline.suites.lmeval.adapter", "pipeline.suites.lmeval.tasks",
                                                        "pipeline.suites.lmeval.sandbox")}}
 
@@ -82,7 +84,8 @@ def bench_task(cfg: Config, original: Original, renderer, artifact: Artifact, ta
                                    n_ctx=key["context_tokens"])
         try:
             res = run_task(lm, task, work / "datasets", cfg.profile.bench_limit_for(task),
-                           use_cache=work / f"requests-{stable_hash(key)[:16]}")
+                           use_cache=work / f"requests-{stable_hash(key)[:16]}",
+                           allow_unconfined=cfg.bench.allow_unconfined)
             info = lm.info
         finally:
             lm.runtime.close()
@@ -102,8 +105,15 @@ def run_bench(cfg: Config, original: Original, renderer, artifact: Artifact) -> 
     """Every benchmark task of the run on cfg.variant: per task ``{"status": "ok", "dir", "manifest_hash",
     "metrics", "samples", "wall_s"}``, or ``{"status": "skipped", "reason"}`` where the variant's runtime cannot
     run the task here (the variant's other results stand)."""
+    from pipeline.suites.lmeval.sandbox import refusal
+    from pipeline.suites.lmeval.tasks import get_task
+
     out = {}
     for task in cfg.run.bench_tasks:
+        if get_task(task).unsafe_code and (why := refusal(cfg.bench.allow_unconfined)):
+            log.error("bench:%s on %s refused: %s", task, cfg.variant.name, why)
+            out[task] = {"status": "skipped", "reason": why}
+            continue
         try:
             m = bench_task(cfg, original, renderer, artifact, task)
         except Skip as exc:

@@ -110,6 +110,7 @@ class HumanEvalChecks:
 
         self.timeout_s = timeout_s or sandbox.TIMEOUT_S
         self.memory_mb = memory_mb or sandbox.MEMORY_MB
+        self.allow_unconfined = False            # bench.allow_unconfined, set by run_task
         self.outcomes: dict[str, str] = {}
         self.confinement: dict = {}
 
@@ -117,13 +118,12 @@ class HumanEvalChecks:
         from pipeline.suites.lmeval.sandbox import check_completions
 
         problem = {k: doc[k] for k in ("task_id", "prompt", "canonical_solution", "test", "entry_point")}
-        out = check_completions([{"problem": problem, "completion": results[0]}], self.timeout_s, self.memory_mb)
+        out = check_completions([{"problem": problem, "completion": results[0]}], self.timeout_s, self.memory_mb,
+                                allow_unconfined=self.allow_unconfined)
         r = out["results"][0]
         self.outcomes[doc["task_id"]] = r["result"]
         self.confinement = {k: out[k] for k in ("sandboxed", "confinement", "network_interfaces", "memory_mb",
                                                 "timeout_s")}
-        if not out["sandboxed"]:
-            log.warning("HumanEval completions run WITHOUT network isolation: %s", out["confinement"])
         return {"pass_at_1": float(r["passed"])}
 
 
@@ -186,7 +186,7 @@ def load_docs(name: str) -> list[dict]:
 
 
 def run_task(lm: "LM", name: str, cache_dir: Path, limit: int | None = None,
-             use_cache: Path | None = None) -> dict:
+             use_cache: Path | None = None, allow_unconfined: bool = False) -> dict:
     """Task ``name`` on ``lm`` (a ``RuntimeLM``) through lm-eval's ``simple_evaluate``, every sample logged.
 
     Returns ``{"task": BenchTask.key(), "metrics": {metric: value}, "samples": [{"id", "doc_id", "correct",
@@ -194,12 +194,15 @@ def run_task(lm: "LM", name: str, cache_dir: Path, limit: int | None = None,
     for a task that executes code. ``limit``: the first N documents (lm-eval's own limit). ``use_cache``: lm-eval's
     per-request SQLite cache (a path prefix; each answered request is committed as it comes), so an interrupted
     run answers only the requests it had not reached; the caller keys the path by everything the answers depend
-    on."""
+    on. ``allow_unconfined``: run a task's model-written code even where it cannot be confined (refused
+    otherwise: ``pipeline.suites.lmeval.sandbox``)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     task = get_task(name)
     cfg = task.config(Path(cache_dir))
+    if isinstance(cfg.get("process_results"), HumanEvalChecks):
+        cfg["process_results"].allow_unconfined = allow_unconfined
     t0 = time.perf_counter()
     res = simple_evaluate(model=lm, tasks=[cfg], task_manager=TaskManager(include_defaults=False), limit=limit,
                           log_samples=True, bootstrap_iters=0, confirm_run_unsafe_code=task.unsafe_code,
