@@ -119,3 +119,22 @@ def test_drift_against_bits_per_weight_joins_a_types_plain_and_importance_matrix
     make_plots(s, tmp_path)
     dashed = [line for ax in figures["kld_vs_bits.png"].axes for line in ax.get_lines() if line.get_linestyle() == "--"]
     assert len(dashed) == 1 and list(dashed[0].get_xdata()) == [8.5, 4.9]
+
+
+def test_the_trend_plot_draws_each_variants_speed_over_its_runtime_control_where_the_history_has_it(tmp_path,
+                                                                                                     figures):
+    """Nightly lines with the gate's control-relative speed: the speed panel draws those ratios per variant (the
+    control itself has none and is left out); older lines without them: absolute tokens/s."""
+    s = three_variants({n: _turns(k, multi_turn=3) for n, k in (("q8", 0.01), ("q4", 0.05))})
+    history = _history(s)
+    for h, q4 in zip(history, (1.50, 1.35)):
+        h["speed_relative"] = {"q4": {"decode_tokens_per_s": {"ratio": q4, "change": 0.0, "detectable": 0.08,
+                                                              "rounds": 40}}}
+    make_plots(s, tmp_path, history)
+    ax = figures["trend.png"].axes[1]
+    assert "÷ its runtime's control" in ax.get_title()
+    drawn = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    assert drawn == {"q4": [1.50, 1.35]}
+    make_plots(s, tmp_path, _history(s))
+    ax = figures["trend.png"].axes[1]
+    assert ax.get_title() == "decode tokens/s over runs" and "q8" in {line.get_label() for line in ax.get_lines()}

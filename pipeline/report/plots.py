@@ -43,16 +43,29 @@ def _trend_plot(plt, history: list[dict], summary: dict, out_dir: Path, colors: 
     if len(rows) < 2:
         return None
     names = sorted({n for h in rows for n, v in h["variants"].items() if v.get("status") == "ok"})
+    # the gate's own figure where the history has it: each variant's decode speed over its runtime's control in
+    # the same rounds (machine drift cancelled); older lines carry the absolute speed only
+    relative = any(h.get("speed_relative") for h in rows)
+
+    def speed(h: dict, n: str) -> float | None:
+        if relative:
+            return (((h.get("speed_relative") or {}).get(n) or {}).get("decode_tokens_per_s") or {}).get("ratio")
+        return h["variants"][n].get("decode_tokens_per_s")
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for n in names:
         pts = [(i, h["variants"][n]) for i, h in enumerate(rows) if h["variants"].get(n, {}).get("status") == "ok"]
         if n != "original":
             ax1.plot([i for i, _ in pts], [max(v["kld_mean"] or 0, 1e-7) for _, v in pts], marker="o", label=n,
                      color=colors[n])
-        ax2.plot([i for i, _ in pts], [v["decode_tokens_per_s"] or 0 for _, v in pts], marker="o", label=n,
-                 color=colors[n])
+        sp = [(i, y) for i, h in enumerate(rows) if h["variants"].get(n, {}).get("status") == "ok"
+              and (y := speed(h, n)) is not None]
+        if sp:
+            ax2.plot([i for i, _ in sp], [y for _, y in sp], marker="o", label=n, color=colors[n])
     labels = [h["time"][:10] + (f"\n{h['commit'][:7]}" if h.get("commit") else "") for h in rows]
-    for ax, title in ((ax1, "mean KLD over runs (log)"), (ax2, "decode tokens/s over runs")):
+    speed_title = ("decode speed ÷ its runtime's control (same rounds)" if relative
+                   else "decode tokens/s over runs")
+    for ax, title in ((ax1, "mean KLD over runs (log)"), (ax2, speed_title)):
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
         ax.set_title(title)
         ax.grid(alpha=0.3)
