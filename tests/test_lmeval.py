@@ -334,3 +334,57 @@ def test_family_wise_adjustment_over_a_tasks_variants():
     assert out["q4"]["mcnemar_p_adjusted"] == pytest.approx(22 / 1024)     # q8 answered alike: no test, no family
     assert out["q8"]["mcnemar_p_adjusted"] is None
     assert flips.outcomes([{"id": "a", "correct": True}, {"id": "b", "correct": False}]) == {"a": True, "b": False}
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory, tiny_tokenizer_dir):
+    """The tiny llama with a tokenizer whose post-processor adds a BOS (as Llama 3's, Mistral's and Gemma's do)."""
+    from tests.conftest import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("bos")
+    model = build_tiny_llama(root / "tiny-bos", tiny_tokenizer_dir, heads=2)
+    tok = json.loads((model / "tokenizer.json").read_text())
+    bos = "<|im_start|>"
+    bos_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == bos)
+    tok["post_processor"] = {"type": "TemplateProcessing",
+                             "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                                        {"Sequence": {"id": "A", "type_id": 0}}],
+                             "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                                      {"Sequence": {"id": "B", "type_id": 1}}],
+                             "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    return model, bos_id
+
+
+def test_the_adapter_encodes_and_scores_as_lm_evals_own_hf_model_on_a_bos_adding_tokenizer(bos_model, tmp_path):
+    """lm-eval's own HF model and the adapter on the same checkpoint (float32 on both): the same token ids for
+    every context (a BOS first, as the tokenizer adds it; none twice when the text starts with it) and the same
+    log-likelihoods of business_mc's first questions within 1e-4, with the same greedy flags."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
+    from pipeline.suites.lmeval.adapter import RuntimeLM
+    from pipeline.stages.prepare import prepare
+    from tests.conftest import compose
+
+    model, bos_id = bos_model
+    cfg = compose([f"model.source={model}", "model.name=tiny-bos", f"paths.artifacts={tmp_path / 'artifacts'}",
+                   f"paths.cache={PROJECT_ROOT / '.cache'}"])
+    original = prepare(cfg.model, cfg.model_dir)
+    tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
+    cfg.variant = VariantConfig(name="original", runtime_options={"dtype": "float32"})
+    ours = RuntimeLM.for_variant(cfg, original.checkpoint, tok, original.facts["eos_token_ids"], n_ctx=512)
+    theirs = HFLM(pretrained=str(original.checkpoint), device="cpu", dtype="float32", batch_size=1)
+    try:
+        for text in ("Question: How many days are in a week?\nAnswer:", "<|im_start|>already there"):
+            assert ours.tok_encode(text) == theirs.tok_encode(text)
+        assert ours.tok_encode("Question:")[0] == bos_id and ours.tok_encode("<|im_start|>x").count(bos_id) == 1
+        docs = load_docs("business_mc")[:4]
+        requests = [Instance("loglikelihood", doc, (f"Question: {doc['question']}\nAnswer:", f" {choice}"), i)
+                    for doc in docs for i, choice in enumerate(doc["choices"])]
+        a, b = ours.loglikelihood(requests), theirs.loglikelihood(requests)
+        assert [g for _, g in a] == [g for _, g in b]
+        assert max(abs(x - y) for (x, _), (y, _) in zip(a, b)) < 1e-4
+    finally:
+        ours.runtime.close()

@@ -146,8 +146,13 @@ class RuntimeLM(TemplateLM):
         return int(bos) if bos is not None else self.eot_token_id
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        # lm-eval's HF model adds no special tokens by default either; the pipeline's renderer neither
-        return list(self.tokenizer(string, add_special_tokens=bool(add_special_tokens))["input_ids"])
+        """As lm-eval's HF model encodes (``HFLM.tok_encode``, lm-eval 0.4.13): the tokenizer's own special tokens
+        unless told otherwise, so a BOS where its post-processor adds one (Llama 3, Mistral, Gemma; none for
+        SmolLM2), and none when the string already starts with the BOS text."""
+        kwargs = {} if add_special_tokens is None else {"add_special_tokens": bool(add_special_tokens)}
+        if add_special_tokens is None and string.startswith(self.tokenizer.decode([self.prefix_token_id])):
+            kwargs = {"add_special_tokens": False}
+        return list(self.tokenizer.encode(string, **kwargs))
 
     def tok_decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
