@@ -73,7 +73,7 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare compare-deps print-compare-load load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-wheel llama-tools browser sandbox nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key
+.PHONY: setup compare compare-deps print-compare-load load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-wheel llama-tools browser sandbox test-fast nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key
 
 setup: $(VENV)/.installed
 
@@ -213,6 +213,10 @@ report: setup
 
 test: setup browser sandbox llama-tools llmc-env chat-templates
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# the unit tier alone (no model, no process, no tool; tests/conftest.py sorts the tiers): nothing compiled first
+test-fast: setup
+	$(VENV)/bin/python -m pytest -m unit -p no:cacheprovider $(PYTEST_ARGS)
 
 # bubblewrap confines model-written code (bench:humaneval, pipeline/suites/lmeval/sandbox.py). Debian's package,
 # installed when missing and we may (root); without it such code is refused, never run unconfined.

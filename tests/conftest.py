@@ -115,8 +115,28 @@ def own_processes(monkeypatch):
     return own
 
 
+# A test is of the integration tier when it builds a model, starts a process or runs a tool: it asks for one of
+# these fixtures (directly or through its own), or its module or itself is marked so; of the system tier when it
+# runs whole comparisons (the family matrix, the SLURM cluster); the unit tier is the rest (`make test-fast`).
+INTEGRATION_FIXTURES = {"tiny_llama", "tiny_cfg", "tiny_tokenizer_dir", "embedded_gguf", "own_processes"}
+INTEGRATION_MARKS = {"slow", "smoke", "gpu", "integration"}
+SYSTEM_MARKS = {"slurm", "system"}
+
+
+def tier(item) -> str:
+    marks = {m.name for m in item.iter_markers()}
+    if marks & SYSTEM_MARKS:
+        return "system"
+    if marks & INTEGRATION_MARKS or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return "integration"
+    return "unit"
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where CUDA is present; CI has none, so `make test` skips them with the reason."""
+    """Each test gets its tier's marker (unit, integration, system: ``-m unit`` is `make test-fast`). GPU tests run
+    only where CUDA is present; CI has none, so `make test` skips them with the reason."""
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier(item)))
     import torch
 
     if torch.cuda.is_available():

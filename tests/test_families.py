@@ -99,6 +99,7 @@ def family_root(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("fam", FAMILIES, ids=IDS)
 def test_every_variant_of_every_family_ends_ok_or_skipped_with_its_reason(fam, family_root):

@@ -108,3 +108,22 @@ exit 0
     assert "load=short" in qd[2] and "bench.llama_tools=/cache/llama-tools/bin" in qd[2]
     assert "baseline=base.json" in qd[4]
     assert list((tmp_path / "artifacts" / ".runs").glob("*.mk"))
+
+
+def test_the_tiers_sort_tests_by_what_they_start():
+    """A test that asks for a model-building or process-starting fixture (also through its own fixture) or is
+    marked slow is integration; the family matrix and the SLURM cluster are system; the rest is unit."""
+    from types import SimpleNamespace
+
+    from tests.conftest import tier
+
+    def item(marks=(), fixtures=()):
+        return SimpleNamespace(iter_markers=lambda: [SimpleNamespace(name=m) for m in marks],
+                               fixturenames=list(fixtures))
+
+    assert tier(item()) == "unit"
+    assert tier(item(fixtures=["tmp_path", "monkeypatch"])) == "unit"
+    assert tier(item(fixtures=["built", "tiny_tokenizer_dir"])) == "integration"
+    assert tier(item(marks=["slow"])) == "integration"
+    assert tier(item(marks=["slow", "system"], fixtures=["tiny_llama"])) == "system"
+    assert tier(item(marks=["slurm"])) == "system"
