@@ -22,26 +22,31 @@ def _nothing_measured(cfg) -> bool:
     return not any((cfg.model_dir / d).exists() for d in ("variants", "runs", "reference", "gguf-f16"))
 
 
-def test_a_base_model_without_a_chat_template_is_stopped_once_before_any_stage(tmp_path, tiny_llama):
-    model = shutil.copytree(tiny_llama, tmp_path / "base")
+def _no_template(model):
     (model / "chat_template.jinja").unlink()
-    cfg = _cfg(model, tmp_path, "run.variants=[original,gptq_w4]")
-    with pytest.raises(ConfigError, match=r"(?s)before any stage ran.*has no chat template.*"
-                                          r"model\.allow_plain_template=true"):
-        run(cfg)
-    assert _nothing_measured(cfg)
-    assert run(_cfg(model, tmp_path, "run.variants=[original,gptq_w4]", "model.allow_plain_template=true")) == 0
 
 
-def test_a_template_that_rewrites_earlier_turns_is_found_on_a_multi_turn_suite(tmp_path, tiny_llama):
-    model = shutil.copytree(tiny_llama, tmp_path / "last-only")
+def _last_turn_only(model):
     (model / "chat_template.jinja").write_text("{{ messages[-1]['content'] }}")   # renders the last turn alone
-    cfg = _cfg(model, tmp_path, "run.variants=[original]", "run.suites=[multi_turn]")
-    with pytest.raises(ConfigError, match=r"(?s)rewrites earlier turns.*run\.suites=\[long_output\].*"
-                                          r"found on multi_turn/"):
+
+
+@pytest.mark.parametrize("change, run_args, match, way_out", [
+    (_no_template, ("run.variants=[original,gptq_w4]",),
+     r"(?s)before any stage ran.*has no chat template.*model\.allow_plain_template=true",
+     ("run.variants=[original,gptq_w4]", "model.allow_plain_template=true")),
+    (_last_turn_only, ("run.variants=[original]", "run.suites=[multi_turn]"),
+     r"(?s)rewrites earlier turns.*run\.suites=\[long_output\].*found on multi_turn/",
+     ("run.variants=[original]", "run.suites=[long_output]")),
+], ids=["a base model without a chat template", "a template that rewrites earlier turns on a multi-turn suite"])
+def test_what_stops_every_variant_is_found_once_before_any_stage_and_its_way_out_works(tmp_path, tiny_llama, change,
+                                                                                      run_args, match, way_out):
+    model = shutil.copytree(tiny_llama, tmp_path / "model")
+    change(model)
+    cfg = _cfg(model, tmp_path, *run_args)
+    with pytest.raises(ConfigError, match=match):
         run(cfg)
     assert _nothing_measured(cfg)
-    assert run(_cfg(model, tmp_path, "run.variants=[original]", "run.suites=[long_output]")) == 0
+    assert run(_cfg(model, tmp_path, *way_out)) == 0
 
 
 def test_a_tokenizer_the_converter_does_not_recognise_is_named_once_for_the_gguf_variants(tmp_path, tiny_llama):
