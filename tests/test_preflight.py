@@ -64,3 +64,18 @@ def test_a_tokenizer_the_converter_does_not_recognise_is_named_once_for_the_gguf
     # without a GGUF variant the converter is not asked; with the override it converts
     assert run(_cfg(model, tmp_path, "run.variants=[original]")) == 0
     assert run(_cfg(model, tmp_path, "run.variants=[gguf_q8_0]", "model.gguf_pre_tokenizer=smollm")) == 0
+
+
+def test_make_plan_on_a_local_folder_finds_it_without_preparing_anything(tmp_path, tiny_llama, monkeypatch):
+    from pipeline.stages import plan
+
+    monkeypatch.setattr(plan, "machine_free", lambda cfg, on_device: {
+        "disk_bytes": 500e9, "disk_path": "/injected", "memory_bytes": 16e9, "memory_source": "injected",
+        "device_bytes": None})
+    model = shutil.copytree(tiny_llama, tmp_path / "base")
+    _no_template(model)
+    cfg = _cfg(model, tmp_path, "command=plan", "run.variants=[original,gguf_q8_0]",
+               f"paths.results={PROJECT_ROOT / 'results'}")
+    with pytest.raises(ConfigError, match=r"(?s)before any stage ran.*has no chat template"):
+        run(cfg)
+    assert not (cfg.model_dir / "original").exists()

@@ -468,4 +468,16 @@ def run_plan(cfg) -> int:
     if problems:
         raise ConfigError(refusal(plan, problems, cfg.capacity.headroom))
     print("fits: yes")
+    from pipeline.stages.prepare import classify_source
+
+    kind, location = classify_source(cfg.model.source)
+    if kind == "folder":      # a folder is read in place: what would stop every variant is found now, not hours in
+        from pipeline.stages import preflight
+
+        found = preflight.checkpoint_problems(cfg, Path(location))
+        if found:
+            raise ConfigError(preflight.refusal(found))
+        print("pre-flight: the chat template renders the run's conversations and every quantizer's check passed")
+    else:
+        print(f"pre-flight: runs at the start of `make compare` (a {kind} source is read once it is prepared)")
     return 0

@@ -1,6 +1,7 @@
 """Before any stage spends time: what would stop every variant of the run, found once, with its way out.
 
-`make compare` runs this first (``quantdrift command=preflight``). It prepares the original (the first stage of every
+`make compare` runs this first (``quantdrift command=preflight``); `make plan` runs the same checks on a local folder
+(``checkpoint_problems``), preparing nothing. It prepares the original (the first stage of every
 variant, cached) and checks what every variant job would otherwise fail on one after another:
 
 - a tokenizer without a chat template (a base model), or a template that cannot render a plain conversation;
@@ -40,43 +41,57 @@ def history_problem(renderer, suites: dict) -> str | None:
     return None
 
 
-def preflight_problems(cfg: Config) -> list[str]:
-    """Every problem that would stop all variants of this run (the model's chat template) or all variants of one
-    quantizer (its own check), each once."""
+def checkpoint_problems(cfg: Config, checkpoint, original=None) -> list[str]:
+    """Every problem of this checkpoint that would stop all variants of the run (its chat template) or all
+    variants of one quantizer (that quantizer's own check), each once. Without the prepared ``original`` (`make
+    plan` on a local folder), suites generated per tokenizer are left out of the history check."""
     from pipeline.config.compose import load_variant
     from pipeline.quantizers import quantizer_class
-    from pipeline.stages.prepare import prepare
     from pipeline.stages.variant_job import load_suites
     from pipeline.suites.conversation import ChatRenderer
 
-    original = prepare(cfg.model, cfg.model_dir)
     problems = []
     try:
-        renderer = ChatRenderer(original.checkpoint, cfg.model.trust_remote_code, cfg.model.allow_plain_template)
+        renderer = ChatRenderer(checkpoint, cfg.model.trust_remote_code, cfg.model.allow_plain_template)
     except ConfigError as exc:
         problems.append(str(exc))
         renderer = None
     if renderer is not None:
-        suites = load_suites(cfg, original, renderer)
-        problem = history_problem(renderer, suites)
+        if original is None:
+            import dataclasses
+
+            plain = [s.name for s in cfg.selected_suites() if not s.generate]
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, suites=plain))
+        problem = history_problem(renderer, load_suites(cfg, original, renderer))
         if problem:
             problems.append(problem)
     by_quantizer: dict[str, list[str]] = {}
     for name in cfg.run.variants:
         by_quantizer.setdefault(load_variant(name).quantizer, []).append(name)
     for quantizer, names in by_quantizer.items():
-        problem = quantizer_class(quantizer).preflight(cfg, original.checkpoint)
+        problem = quantizer_class(quantizer).preflight(cfg, checkpoint)
         if problem:
             problems.append(f"{', '.join(names)}: {problem}")
     return problems
 
 
+def preflight_problems(cfg: Config) -> list[str]:
+    """``checkpoint_problems`` of the prepared original (preparing it: the first stage of every variant)."""
+    from pipeline.stages.prepare import prepare
+
+    original = prepare(cfg.model, cfg.model_dir)
+    return checkpoint_problems(cfg, original.checkpoint, original)
+
+
+def refusal(problems: list[str]) -> str:
+    return ("the pre-flight found what would stop these variants, before any stage ran (nothing was measured):\n"
+            + "\n".join(f"- {p}" for p in problems))
+
+
 def run_preflight(cfg: Config) -> int:
     problems = preflight_problems(cfg)
     if problems:
-        raise ConfigError("the pre-flight found what would stop these variants, before any stage ran (nothing was "
-                          "measured):\n"
-                          + "\n".join(f"- {p}" for p in problems))
+        raise ConfigError(refusal(problems))
     named = ", ".join(cfg.run.variants) or "none named (run.variants)"
     print(f"preflight: {cfg.model.name} renders its conversations and every quantizer's check passed; variants: "
           f"{named}")
