@@ -3,6 +3,8 @@ is measured faster; bfloat16 only where float32 does not fit."""
 
 import json
 
+import pytest
+
 from pipeline.runtimes import compute_dtype
 
 
@@ -45,6 +47,7 @@ def test_on_a_gpu_the_checkpoints_own_half_dtype(tmp_path):
     assert dtype == "bfloat16" and "float32" in why
 
 
+@pytest.mark.integration
 def test_the_speeds_are_measured_once_per_cpu_and_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(compute_dtype, "_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(compute_dtype, "_SECONDS_PER_SHAPE", 0.05)

@@ -85,6 +85,7 @@ def test_not_a_gguf_file_is_named(tmp_path):
         read_header(bad)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("vocab", ["llama-spm", "qwen2"])
 def test_real_vocabulary_files(vocab):
     from pipeline.infra.families import vocab_dir

@@ -183,6 +183,7 @@ def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gg
     assert "--cont-batching" in (tmp_path / "server.log").read_text()
 
 
+@pytest.mark.integration
 def test_an_engine_without_a_finer_signal_is_idle_once_its_process_stops_using_the_cpu(tmp_path):
     """ServedEngine.wait_idle (transformers serve has no /slots): busy while the process burns CPU, idle soon after
     it stops; a process that never rests times out; a process that is gone is not called idle."""

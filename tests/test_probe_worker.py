@@ -72,6 +72,7 @@ def _cmdline_has(pid: str, text: str) -> bool:
         return False
 
 
+@pytest.mark.integration
 def test_a_worker_that_cannot_load_its_variant_fails_with_the_reason_and_exits(tmp_path):
     missing = tmp_path / "nothing-here"
     spec = _spec(missing)

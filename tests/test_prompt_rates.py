@@ -20,6 +20,7 @@ def _tools():
         return None
 
 
+@pytest.mark.integration
 def test_the_synthetic_model_holds_every_matrix_in_the_type_timed(tmp_path):
     """Two Llama blocks whose seven matrices are all the type timed (one that needs an importance matrix too),
     norms in F32, the embedding Q8_0 over the test vocabulary's tokens: a file llama.cpp's loader reads."""
@@ -44,6 +45,7 @@ def test_the_synthetic_model_holds_every_matrix_in_the_type_timed(tmp_path):
         assert header.fields["tokenizer.ggml.model"] == "llama"
 
 
+@pytest.mark.integration
 def test_prompt_rates_are_measured_with_llama_bench_and_kept(tmp_path, monkeypatch):
     """Each type's seconds per prompt token per matrix weight from llama-bench on its synthetic model (F32 norm
     vectors left out), kept on disk; asked again, the kept figures serve; a type not kept has the whole set

@@ -187,6 +187,7 @@ def test_promote_keeps_the_previous_baseline(tmp_path):
     assert len(list((base_dir / "previous").glob("summary-*.json"))) == 1
 
 
+@pytest.mark.integration
 def test_cli_regress_exit_codes(tmp_path):
     """The console entry point as the nightly job calls it: 0 when nothing regressed, 1 for a regression, 2 when
     the run itself failed (a variant failed) and for bad input."""

@@ -133,6 +133,7 @@ def test_each_stage_records_its_own_peak_host_memory_not_the_process_lifetime_on
     assert m["inner_peak"] < m["host_memory"]["peak_host_mb"] - 150
 
 
+@pytest.mark.integration
 def test_a_stage_counts_the_memory_of_the_children_it_ran(tmp_path):
     import subprocess
     import sys

@@ -56,6 +56,7 @@ VOCAB, N = 262144, 1024          # a whole float64 matrix: 2 GiB
 BOUND = BLOCK_BYTES + metrics.CHUNK_BYTES + 16 * 2**20
 
 
+@pytest.mark.integration
 def test_scoring_a_long_sequence_never_holds_its_whole_matrix(tmp_path):
     rt = OnDemand(VOCAB)
     positions, ids = list(range(N)), list(range(N + 1))

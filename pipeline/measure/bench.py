@@ -32,7 +32,8 @@ def run_bench(cfg: Config) -> int:
     from pipeline.stages.quantize import build_artifact
     from pipeline.stages.reference import n_ctx_for, reply_positions
     from pipeline.runtimes import load_runtime
-    from pipeline.stages.variant_job import evaluate_job, load_suites, probe_prompt, setup_reference
+    from pipeline.stages.suite_files import load_suites
+    from pipeline.stages.variant_job import evaluate_job, probe_prompt, setup_reference
 
     names = cfg.run.variants or [cfg.variant.name]
     original = prepare(cfg.model, cfg.model_dir)

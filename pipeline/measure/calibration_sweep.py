@@ -84,7 +84,8 @@ def run_sweep(cfg: Config) -> dict:
     from pipeline.stages.prepare import prepare
     from pipeline.stages.quantize import build_artifact
     from pipeline.stages.quantize import bits_per_weight
-    from pipeline.stages.variant_job import load_suites, setup_reference
+    from pipeline.stages.suite_files import load_suites
+    from pipeline.stages.variant_job import setup_reference
 
     sc = cfg.calibration_sweep
     original = prepare(cfg.model, cfg.model_dir, force=cfg.force)

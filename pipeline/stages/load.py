@@ -112,7 +112,7 @@ def run_load(cfg, generate=None) -> dict:
     a fake with the same signature)."""
     from pipeline.suites.conversation import ChatRenderer
     from pipeline.stages.prepare import prepare
-    from pipeline.stages.variant_job import load_suites
+    from pipeline.stages.suite_files import load_suites
 
     lc, wl = cfg.load, cfg.workload
     if generate is None:

@@ -47,7 +47,7 @@ def checkpoint_problems(cfg: Config, checkpoint, original=None) -> list[str]:
     plan` on a local folder), suites generated per tokenizer are left out of the history check."""
     from pipeline.config.compose import load_variant
     from pipeline.quantizers import quantizer_class
-    from pipeline.stages.variant_job import load_suites
+    from pipeline.stages.suite_files import load_suites
     from pipeline.suites.conversation import ChatRenderer
 
     problems = []
