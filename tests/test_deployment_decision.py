@@ -177,7 +177,7 @@ def test_redecide_takes_the_decision_again_from_a_finished_run_and_measures_noth
     assert f"**Ship `{rec['variant']}`**" in md and "workload batch: 2,048 tokens of context × 8" in md
     # 8 sequences of 2,048 tokens in 0.6 GB less headroom: the q8_0 KV cache is what makes Q8_0 fit
     assert rec["variant"] == "gguf_q8_0+kv_q8_0"
-    assert rec["reasons"]["gguf_q8_0"].startswith("fails constraint: needs 583 MB as served")
+    assert rec["reasons"]["gguf_q8_0"].startswith("fails constraint: needs 584 MB as served")
     assert "<section id='samples'>" in (run / "report.html").read_text()
     missing = compose(["profile=quick", f"paths.results={tmp_path / 'nothing'}"])
     from pipeline.infra.errors import ConfigError

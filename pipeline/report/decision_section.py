@@ -36,9 +36,13 @@ def _limits_table(summary: dict) -> tuple:
     if t:
         rows.append(["deployment target", f"workload {t['workload']}: {t['context_tokens']:,} tokens of context × "
                                           f"{t['concurrency']} concurrent sequence(s)"])
-        rows.append(["memory budget", f"{t['budget_source']}, less {t['headroom']:.0%} headroom"])
+        host = (f" ({t['host_bytes'] / 2**30:.1f} GiB here)" if t.get("budget_bytes") is None and t.get("host_bytes")
+                else "")
+        rows.append(["memory budget", f"{t['budget_source']}{host}, less {t['headroom']:.0%} headroom"])
+        # in the units the recommendation states them in (seconds to first token, milliseconds between tokens)
         targets = [x for x in (f"time to first token ≤ {t['max_ttft_p99_s']:g} s" if t.get("max_ttft_p99_s") else "",
-                               f"inter-token p99 ≤ {t['max_itl_p99_s']:g} s" if t.get("max_itl_p99_s") else "") if x]
+                               f"inter-token p99 ≤ {t['max_itl_p99_s'] * 1000:.0f} ms" if t.get("max_itl_p99_s")
+                               else "") if x]
         rows.append(["latency targets", f"{t['latency_targets']} ({', '.join(targets)})" if targets
                      else f"none (workload {t['workload']} sets none)"])
     if d.get("min_recovery") is not None:
