@@ -135,6 +135,27 @@ class WorkerPool:
                 self.kept.append(label)
         return self.workers[label]
 
+    def trial(self, label: str, max_cpu_noise: float) -> dict:
+        """One trial of ``label`` on its kept probe (or a fresh one), its load peak recorded; a failed probe gives
+        ``{"error": ...}`` (the variant is reported without speed, the others go on) and is started afresh next."""
+        from pipeline.measure.probe import run_trial
+
+        try:
+            worker = self.worker(label)
+            trial = run_trial(self._spec(label), max_cpu_noise, label, worker)
+            self.record(label, trial)
+            if worker is not None and trial.get("peak_rss_per_trial") is False:
+                # the kernel refused to reset the high-water mark: a kept process would report its load's peak in
+                # every trial, so every later trial gets a fresh process of its own
+                log.warning("speed: this kernel refuses to reset a process's peak RSS (/proc/self/clear_refs): a "
+                            "fresh probe process per trial from here on")
+                self.stop_keeping()
+            return trial
+        except Exception as exc:
+            log.error("speed trial of %s failed: %s", label, exc)
+            self.drop(label)
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
     def drop(self, label: str) -> None:
         """Stop the label's kept probe (a failed trial: the next round starts it afresh)."""
         if label in self.workers:
@@ -182,8 +203,6 @@ def speed_protocol() -> dict:
 def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
     """Run (or resume) the interleaved trials of every evaluated variant; returns the trials file's content:
     {"rounds", "order", "control", "trials": {label: [trial result or {"error": ...}, one per round]}}."""
-    from pipeline.measure.probe import run_trial
-
     specs = {n: r["probe"] for n, r in results.items() if r.get("status") == "ok" and r.get("probe")}
     if not specs:
         return None
@@ -217,22 +236,7 @@ def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
                     if item in journal:
                         continue
                     log.info("speed: trial %d/%d (round %d/%d): %s", done, total, r + 1, len(order), label)
-                    spec = specs[label.removesuffix(AA_SUFFIX)]
-                    try:
-                        worker = pool.worker(label)
-                        trial = run_trial(spec, sp.max_cpu_noise, label, worker)
-                        pool.record(label, trial)
-                        if worker is not None and trial.get("peak_rss_per_trial") is False:
-                            # the kernel refused to reset the high-water mark: a kept process would report its
-                            # load's peak in every trial, so every later trial gets a fresh process of its own
-                            log.warning("speed: this kernel refuses to reset a process's peak RSS "
-                                        "(/proc/self/clear_refs): a fresh probe process per trial from here on")
-                            pool.stop_keeping()
-                    except Exception as exc:  # a variant whose probe fails is reported without speed, the others go on
-                        log.error("speed trial of %s failed: %s", label, exc)
-                        trial = {"error": f"{type(exc).__name__}: {exc}"}
-                        pool.drop(label)
-                    journal.add(item, trial)
+                    journal.add(item, pool.trial(label, sp.max_cpu_noise))
             extra_order, stop = _extra_rounds(cfg, journal, order, extra, specs, pool)
         finally:
             pool.close()
@@ -288,7 +292,6 @@ def _extra_rounds(cfg: Config, journal, order: list[list[str]], labels: list[str
     import time
 
     from pipeline.decide.speed_control import rounds_needed
-    from pipeline.measure.probe import run_trial
 
     sp = cfg.profile.speed
     by_runtime: dict[str, list[str]] = {}
@@ -330,14 +333,7 @@ def _extra_rounds(cfg: Config, journal, order: list[list[str]], labels: list[str
                 if item in journal:
                     continue
                 log.info("speed: extra round %d (need %d rounds in all): %s", r + 1, need, label)
-                try:
-                    worker = pool.worker(label)
-                    trial = run_trial(specs[label], sp.max_cpu_noise, label, worker)
-                except Exception as exc:
-                    log.error("speed trial of %s failed: %s", label, exc)
-                    trial = {"error": f"{type(exc).__name__}: {exc}"}
-                    pool.drop(label)
-                journal.add(item, trial)
+                journal.add(item, pool.trial(label, sp.max_cpu_noise))
             journal.add(f"x{r}:_seconds", time.monotonic() - started)
         spent += journal.get(f"x{r}:_seconds")
         for label in round_labels:
