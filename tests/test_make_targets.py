@@ -127,3 +127,27 @@ def test_the_tiers_sort_tests_by_what_they_start():
     assert tier(item(marks=["slow"])) == "integration"
     assert tier(item(marks=["slow", "system"], fixtures=["tiny_llama"])) == "system"
     assert tier(item(marks=["slurm"])) == "system"
+
+
+def test_the_slurm_cluster_moves_a_port_something_else_listens_on_to_a_free_one(tmp_path):
+    """scripts/slurm-cluster writes its configuration with free ports: a port another process listens on (here the
+    slurmctld one) moves to the next free port above those already chosen; the four stay distinct and free."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "QD_SLURM_HOME": str(tmp_path), "QD_SLURM_CTLD_PORT": str(port),
+               "QD_SLURM_SLURMD_PORT": str(port + 1), "QD_SLURM_DBD_PORT": str(port + 2),
+               "QD_SLURM_DB_PORT": str(port + 3)}
+        r = subprocess.run([str(PROJECT_ROOT / "scripts" / "slurm-cluster"), "ports"], env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        ports = [int(p) for p in r.stdout.split()]
+        assert len(ports) == 4 and len(set(ports)) == 4 and port not in ports
+        assert ports[0] > port and ports == sorted(ports)
+        assert f"port {port} is in use: CTLD_PORT={ports[0]}" in r.stderr
+        for p in ports:
+            with socket.socket() as probe:
+                assert probe.connect_ex(("127.0.0.1", p)) != 0       # nothing listens there

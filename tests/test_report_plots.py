@@ -132,9 +132,15 @@ def test_the_trend_plot_draws_each_variants_speed_over_its_runtime_control_where
                                                               "rounds": 40}}}
     make_plots(s, tmp_path, history)
     ax = figures["trend.png"].axes[1]
-    assert "÷ its runtime's control" in ax.get_title()
+    assert "÷ its control on its runtime" in ax.get_title()
     drawn = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
     assert drawn == {"q4": [1.50, 1.35]}
+    # the newest line judged q4 against the other variants of its runtime: a ratio to a named control is another
+    # scale, so the older point is not drawn on it
+    history[1]["speed_relative"]["q4"]["decode_tokens_per_s"]["against"] = "others"
+    make_plots(s, tmp_path, history)
+    line = next(x for x in figures["trend.png"].axes[1].get_lines() if x.get_label() == "q4")
+    assert list(line.get_xdata()) == [1] and list(line.get_ydata()) == [1.35]
     make_plots(s, tmp_path, _history(s))
     ax = figures["trend.png"].axes[1]
     assert ax.get_title() == "decode tokens/s over runs" and "q8" in {line.get_label() for line in ax.get_lines()}

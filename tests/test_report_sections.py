@@ -394,7 +394,7 @@ def test_the_speed_protocol_line_states_the_extra_rounds_and_why_they_stopped():
              "extra_stop": "41 rounds reach a 10% detectable regression at this run's spread"}
     text = " ".join(map(str, _speed_noise_block({"speed_protocol": proto})))
     assert ("Then 31 more rounds of gguf_q4_0, gguf_q8_0 only (5.2 min), so that the nightly gate can see a small "
-            "slowdown against their runtime's control: 41 rounds reach a 10% detectable regression") in text
+            "slowdown against the other variants of their runtime: 41 rounds reach a 10% detectable regression") in text
     none = {"rounds": 10, "extra_rounds": 0, "extra_stop": "10 rounds reach a 10% detectable regression at this "
                                                            "run's spread"}
     assert "No extra rounds of the cheap runtimes: 10 rounds reach" in " ".join(

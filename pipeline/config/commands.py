@@ -119,8 +119,8 @@ class RegressConfig:
     tolerances: dict = field(default_factory=dict)
     per_variant: dict = field(default_factory=dict)
     promote: str = ""            # `quantdrift baseline promote RUN`: the run to make the new baseline
-    controls: dict = field(default_factory=dict)   # runtime -> its speed control ({} = each runtime's best fidelity)
-    control_relative: bool = True     # judge speed as a ratio to the runtime's control measured in the same rounds
+    controls: dict = field(default_factory=dict)   # runtime -> a named speed control ({}: the runtime's other variants)
+    control_relative: bool = True     # judge speed as a ratio to a control on the variant's runtime (same rounds)
     speed_margin: float = 0.05        # a control-relative change must lie wholly beyond this to regress
     detect_target: float = 0.10       # the detectable regression the gate says how to reach when above it
 

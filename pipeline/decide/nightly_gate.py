@@ -144,7 +144,7 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
     same_dec, dec_note = decoding_matches(new, base)
     same_checks, checks_note = checks_match(new, base)
     # speed as a per-round ratio to a control on the variant's own runtime, measured in the same rounds: judged
-    # wherever that runtime's control and the hardware are unchanged, even when other libraries changed
+    # wherever that runtime's libraries and the hardware are unchanged, even when other libraries changed
     control = speed_control.plan(new, base, cfg_regress)
     applies = {rt for rt, e in control["runtimes"].items() if e["applies"]}
     speed = set(speed_control.speed_metrics())
@@ -176,16 +176,23 @@ def regress(new: dict, base: dict, cfg_regress) -> dict:
             if not tol:
                 continue
             case = {"variant": name, "metric": metric}
+            judge_against = speed_control.control_for(entry, name) if runtime in applies else None
             if metric in speed and runtime in applies and name == entry["control"]:
                 d = entry["drift"].get(metric)
                 case.update(regressed=False, message=(
                     f"the {speed_control.runtime_label(runtime)} control: its own change is that runtime's machine "
                     "drift, reported and not gated" + (f" ({d['new']:.4g} vs {d['base']:.4g}, {d['change']:+.0%})"
                                                         if d else "")))
+            elif metric in speed and runtime in applies and judge_against is None:
+                d = entry["drift"].get(metric)
+                case.update(regressed=False, message=(
+                    f"the only unchanged {speed_control.runtime_label(runtime)} variant: no other variant of its "
+                    "runtime to judge it against; its own change is that runtime's machine drift, reported and not "
+                    "gated" + (f" ({d['new']:.4g} vs {d['base']:.4g}, {d['change']:+.0%})" if d else "")))
             elif metric in speed and runtime in applies:
-                bad, msg, figures = speed_control.compare(metric, name, new, base, entry["control"],
+                bad, msg, figures = speed_control.compare(metric, name, new, base, judge_against,
                                                           cfg_regress.speed_margin, cfg_regress.detect_target,
-                                                          entry["round_s"])
+                                                          entry["round_s"], runtime)
                 case.update(regressed=bad, message=msg, relative=figures)
             elif metric in speed and not absolute_ok:
                 case.update(regressed=False, skipped=True, message=(
@@ -239,7 +246,7 @@ def diff_markdown(result: dict, new_path: Path, base_path: Path) -> str:
                      + " (promote a baseline scored with this run's checks: `make promote`).")
     control = result.get("speed_control") or {}
     if control:
-        lines.append(("Speed: judged per runtime as a ratio to that runtime's control measured in the same "
+        lines.append(("Speed: each variant judged as a ratio to a control on its own runtime measured in the same "
                       f"interleaved rounds ({control['note']}); a figure regresses when its change's 95 % interval "
                       f"lies wholly beyond the {control['margin']:.0%} margin." if result.get("control_relative") else
                       f"Speed: judged on absolute figures ({control['note']})."))
@@ -256,7 +263,7 @@ def diff_markdown(result: dict, new_path: Path, base_path: Path) -> str:
 
 
 def _detectable(result: dict) -> list[str]:
-    """'<variant> decode -9.1 %, prefill -7.0 %' for every variant judged against its runtime's control."""
+    """'<variant> decode -9.1 %, prefill -7.0 %' for every variant judged against a control on its runtime."""
     short = {"decode_tokens_per_s": "decode", "prefill_tokens_per_s": "prefill"}
     out: dict[str, list[str]] = {}
     for c in sorted(result["cases"], key=lambda c: list(short).index(c["metric"]) if c["metric"] in short else 9):
@@ -283,9 +290,10 @@ def history_line(summary: dict, result: dict | None) -> dict:
         "regressions": None if result is None else result["regressions"],
         # each runtime's control against the baseline's: this machine's drift per engine (a trend across runs)
         "machine_drift": None if result is None else {
-            rt: {"control": e["control"], **{m: d["change"] for m, d in e["drift"].items()}}
+            rt: {"control": e["control"] or "geometric mean of the runtime's unchanged variants",
+                 "members": e.get("members"), **{m: d["change"] for m, d in e["drift"].items()}}
             for rt, e in ((result.get("speed_control") or {}).get("runtimes") or {}).items()},
-        # every variant's speed as a ratio to its runtime's control, and the regression the gate could detect
+        # every variant's speed as a ratio to its control on its runtime, and the regression the gate could detect
         "speed_relative": None if result is None else _relative_rows(result),
         "schema_version": summary.get("schema_version"),
         # every judged metric of the catalogue (a trend plot reads what it knows)
@@ -300,7 +308,7 @@ def _relative_rows(result: dict) -> dict:
     for c in result["cases"]:
         if c.get("relative"):
             rows.setdefault(c["variant"], {})[c["metric"]] = {
-                k: c["relative"][k] for k in ("ratio", "change", "detectable", "rounds")}
+                k: c["relative"][k] for k in ("ratio", "change", "detectable", "rounds", "against")}
     return rows
 
 

@@ -43,13 +43,21 @@ def _trend_plot(plt, history: list[dict], summary: dict, out_dir: Path, colors: 
     if len(rows) < 2:
         return None
     names = sorted({n for h in rows for n, v in h["variants"].items() if v.get("status") == "ok"})
-    # the gate's own figure where the history has it: each variant's decode speed over its runtime's control in
-    # the same rounds (machine drift cancelled); older lines carry the absolute speed only
+    # the gate's own figure where the history has it: each variant's decode speed over its control on its runtime
+    # in the same rounds (machine drift cancelled), drawn only where the control is the newest line's (a ratio to
+    # the F16 file and one to the other variants are not one scale); older lines carry the absolute speed only
     relative = any(h.get("speed_relative") for h in rows)
+
+    def rel(h: dict, n: str) -> dict:
+        return ((h.get("speed_relative") or {}).get(n) or {}).get("decode_tokens_per_s") or {}
+
+    against = {n: next((rel(h, n).get("against", "control") for h in reversed(rows) if rel(h, n)), None)
+               for n in {n for h in rows for n in (h.get("speed_relative") or {})}}
 
     def speed(h: dict, n: str) -> float | None:
         if relative:
-            return (((h.get("speed_relative") or {}).get(n) or {}).get("decode_tokens_per_s") or {}).get("ratio")
+            r = rel(h, n)
+            return r.get("ratio") if r and r.get("against", "control") == against.get(n) else None
         return h["variants"][n].get("decode_tokens_per_s")
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -63,7 +71,7 @@ def _trend_plot(plt, history: list[dict], summary: dict, out_dir: Path, colors: 
         if sp:
             ax2.plot([i for i, _ in sp], [y for _, y in sp], marker="o", label=n, color=colors[n])
     labels = [h["time"][:10] + (f"\n{h['commit'][:7]}" if h.get("commit") else "") for h in rows]
-    speed_title = ("decode speed ÷ its runtime's control (same rounds)" if relative
+    speed_title = ("decode speed ÷ its control on its runtime (same rounds)" if relative
                    else "decode tokens/s over runs")
     for ax, title in ((ax1, "mean KLD over runs (log)"), (ax2, speed_title)):
         ax.set_xticks(range(len(rows)), labels, fontsize=7)

@@ -71,7 +71,7 @@ def _speed_noise_block(summary: dict) -> list:
         secs = proto.get("extra_seconds")
         out.append(f"Then {proto['extra_rounds']} more rounds of {', '.join(proto.get('extra_labels') or [])} only"
                    + (f" ({secs / 60:.1f} min)" if secs else "") + f", so that the nightly gate can see a small "
-                   f"slowdown against their runtime's control: {proto.get('extra_stop')}. Comparisons with the other "
+                   f"slowdown against the other variants of their runtime: {proto.get('extra_stop')}. Comparisons with the other "
                    "variants pair the interleaved rounds only.")
     elif proto.get("extra_stop"):
         out.append(f"No extra rounds of the cheap runtimes: {proto['extra_stop']}.")
