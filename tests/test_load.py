@@ -183,6 +183,44 @@ def test_the_server_starts_healthy_serves_and_is_stopped(server_exe, embedded_gg
     assert "--cont-batching" in (tmp_path / "server.log").read_text()
 
 
+def _server_metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return {k: float(v) for k, v in (line.split()[:2] for line in r.read().decode().splitlines()
+                                         if line and not line.startswith("#"))}
+
+
+def test_guidellm_drives_a_real_llama_server_at_1_2_and_4_and_counts_what_the_server_counted(
+        server_exe, embedded_gguf, tmp_path, own_processes):
+    """guidellm itself, as the load sweep runs it (1/2/4 in one invocation), against a real llama-server on the
+    demo GGUF: each parsed level completed its requests without errors, every request with the output tokens asked
+    for, and the tokens the parsed levels add up to are the tokens the server's own /metrics counted as predicted
+    over the run; the server is stopped afterwards."""
+    from pipeline.measure import loadgen
+    from pipeline.servers.base import pids_of
+    from pipeline.servers.llama_server import LlamaServer
+
+    levels, out_tokens, per_stream, min_requests = [1, 2, 4], 8, 1, 2
+    prompts = [f"Confirm purchase order PO-{4400 + i} for {i + 3} pallets of copier paper and state the total."
+               for i in range(loadgen.prompts_needed(levels, min_requests, per_stream))]
+    server = LlamaServer(server_exe, embedded_gguf, threads=2, slots=4, ctx_per_slot=256, flash_attn=True,
+                         log_path=tmp_path / "server.log")
+    with server:
+        before = _server_metrics(server.url)["llamacpp:tokens_predicted_total"]
+        rows = loadgen.run_guidellm(server.url, prompts, levels=levels, output_tokens=out_tokens,
+                                    request_body=LlamaServer.request_body(out_tokens), requests_per_stream=per_stream,
+                                    min_requests=min_requests, max_seconds=300, workdir=tmp_path / "guidellm",
+                                    idle=lambda: server.wait_idle(timeout_s=30), grouped=3)
+        assert server.wait_idle(timeout_s=30)
+        predicted = _server_metrics(server.url)["llamacpp:tokens_predicted_total"] - before
+    assert own_processes(pids_of(server_exe)) == set()
+    assert [r["concurrency"] for r in rows] == levels
+    counts = loadgen.level_requests(levels, min_requests, per_stream)
+    for r in rows:
+        assert r["errored"] == 0 and r["completed"] == counts[r["concurrency"]], r
+        assert r["output_tokens_per_s"] > 0 and r["itl_p50_s"] > 0
+    assert predicted == out_tokens * sum(r["completed"] for r in rows)
+
+
 @pytest.mark.integration
 def test_an_engine_without_a_finer_signal_is_idle_once_its_process_stops_using_the_cpu(tmp_path):
     """ServedEngine.wait_idle (transformers serve has no /slots): busy while the process burns CPU, idle soon after
@@ -728,10 +766,13 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
     assert ran == [[1], [2], [4], [8], [16]] and sum(sent, []) == prompts
 
 
-def test_make_bench_serves_each_variant_then_runs_llama_batched_bench_in_alternating_rounds(monkeypatch, tmp_path):
-    """make bench's served comparison: per round every GGUF variant is served (a fresh server under the load
-    generator) and then llama-batched-bench runs at the same N on the same file; the variants rotate each round;
-    per level the ratio is the median of the per-round ratios; a variant nothing serves is skipped with why."""
+def test_the_served_comparison_orders_server_then_batched_bench_per_round_and_takes_per_round_ratios(monkeypatch,
+                                                                                                     tmp_path):
+    """The order and arithmetic of make bench's served comparison, with stand-ins for the server trial and the
+    tool (the real ones run in the sweep test above and in test_runtimes's batched-bench test): per round every
+    GGUF variant is served and then llama-batched-bench runs at the same N on the same file; the variants rotate
+    each round; per level the ratio is the median of the per-round ratios; a variant nothing serves is skipped
+    with why."""
     from types import SimpleNamespace
 
     import pipeline.measure.batched_bench as batched_bench
