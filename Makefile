@@ -73,7 +73,7 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare compare-deps print-compare-load load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-wheel llama-tools browser sandbox test-fast nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key
+.PHONY: setup compare compare-deps print-compare-load load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-wheel llama-tools browser sandbox test-fast nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key test-all
 
 setup: $(VENV)/.installed
 
@@ -211,7 +211,12 @@ load: setup llama-tools
 report: setup
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 
+# unit + integration + a reduced system tier (three families covering every committed outcome): what CI runs
 test: setup browser sandbox llama-tools llmc-env chat-templates
+	$(VENV)/bin/python -m pytest -m "not full" $(PYTEST_ARGS)
+
+# everything: adds the other six families of the matrix and the SLURM cluster (the nightly job's suite)
+test-all: setup browser sandbox llama-tools llmc-env chat-templates
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # the unit tier alone (no model, no process, no tool; tests/conftest.py sorts the tiers): nothing compiled first

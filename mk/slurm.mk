@@ -16,5 +16,5 @@ slurm-status:
 print-slurm-conf:
 	@scripts/slurm-cluster conf
 
-# `make test` needs no target here: tests/test_slurm.py brings this cluster up where none answers (root, apt) and
+# `make test-all` needs no target here: tests/test_slurm.py brings this cluster up where none answers (root, apt) and
 # stops it again after its tests; where it cannot, the test is skipped with the reason

@@ -1,11 +1,12 @@
 """The family matrix: each family's builder makes the architecture it claims, with its committed chat template
 (llama.cpp's published one, unchanged), and a tokenizer that reproduces llama.cpp's reference tokenizations of its
 vocab file; the slow test runs every family through the pipeline with a reduced variant set and requires each
-variant to end ok or skipped with a reason of its own."""
+variant to end as the committed table of outcomes says (ok, or skipped with its reason)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -92,6 +93,11 @@ def test_reference_cases_split_as_llama_cpp_splits_them(tmp_path):
 # ---- slow: build every family and run the pipeline on it ------------------------------------------------------
 
 CI_VARIANTS = ["original", "gguf_f16", "gguf_q4_k_m", "gptq_w4", "gguf_q8_0+kv_q8_0"]
+EXPECTED_OUTCOMES = json.loads((Path(__file__).parent / "data" / "family_outcomes.json").read_text())
+# `make test` runs these three, which between them reach every committed outcome (all ok; the F16 GGUF's parity
+# refusal; llama.cpp unable to load the F16 GGUF and GPTQ refusing a weight's shape); `make test-all` runs all nine
+CI_FAMILIES = ("llama3", "mistral", "deepseek2")
+MATRIX = [pytest.param(f, id=f.name, marks=() if f.name in CI_FAMILIES else pytest.mark.full) for f in FAMILIES]
 
 @pytest.fixture(scope="module")
 def family_root(tmp_path_factory):
@@ -101,8 +107,8 @@ def family_root(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.system
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("fam", FAMILIES, ids=IDS)
-def test_every_variant_of_every_family_ends_ok_or_skipped_with_its_reason(fam, family_root):
+@pytest.mark.parametrize("fam", MATRIX)
+def test_every_variant_of_every_family_ends_as_the_committed_outcome_table_says(fam, family_root):
     from pipeline.cli import run
     from pipeline.config.schema import PROJECT_ROOT
     from pipeline.infra.families import build_family
@@ -139,12 +145,16 @@ def test_every_variant_of_every_family_ends_ok_or_skipped_with_its_reason(fam, f
     assert summary["variants"]["original"]["status"] == "ok", summary["variants"]["original"].get("reason")
     for name, why in refused.items():    # a refusal names its cause: the GGUF conversion's parity, say
         assert name != "original" and len(why) > 40, (name, why)
-    for name in set(CI_VARIANTS) - set(refused):
-        v = summary["variants"][name]
-        assert v["status"] in ("ok", "skipped"), (fam.name, name, v.get("reason"))
-        if v["status"] == "skipped":
-            reason = v.get("reason") or ""
-            assert reason and "not evaluated in this run" not in reason, (fam.name, name, reason)
+    # each variant's outcome is the committed one (tests/data/family_outcomes.json): a new skip, a skip for another
+    # reason, or a skip that went away fails here and the table (and docs/families.md) is updated on purpose
+    expected = EXPECTED_OUTCOMES[fam.name]
+    assert sorted(expected) == sorted(CI_VARIANTS)
+    for name in CI_VARIANTS:
+        v = summary["variants"].get(name) or {}
+        status, reason = ("refused", refused[name]) if name in refused else (v.get("status"), v.get("reason") or "")
+        kind, _, text = expected[name].partition(": ")
+        assert status == kind and text in reason, (fam.name, name, status, reason, "expected", expected[name])
+        assert "not evaluated in this run" not in reason, (fam.name, name, reason)
 
 
 def reference_cases_present(fam) -> bool:

@@ -23,7 +23,7 @@ import pytest
 
 from pipeline.config.schema import PROJECT_ROOT
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.full, pytest.mark.timeout(2400)]
 
 EXE = [sys.executable, "-m", "pipeline.cli"]
 VARIANTS = ["original", "gguf_q8_0"]
