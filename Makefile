@@ -211,11 +211,11 @@ load: setup llama-tools
 report: setup
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 
-# unit + integration + a reduced system tier (three families covering every committed outcome): what CI runs
+# unit + integration + a reduced system tier (two families of the matrix; no SLURM): what CI runs
 test: setup browser sandbox llama-tools llmc-env chat-templates
 	$(VENV)/bin/python -m pytest -m "not full" $(PYTEST_ARGS)
 
-# everything: adds the other six families of the matrix and the SLURM cluster (the nightly job's suite)
+# everything: adds the other seven families, the SLURM cluster and four repeated whole runs (the nightly suite)
 test-all: setup browser sandbox llama-tools llmc-env chat-templates
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 

@@ -120,7 +120,7 @@ def own_processes(monkeypatch):
 # runs whole comparisons (the family matrix, the SLURM cluster); the unit tier is the rest (`make test-fast`).
 INTEGRATION_FIXTURES = {"tiny_llama", "tiny_cfg", "tiny_tokenizer_dir", "embedded_gguf", "own_processes"}
 INTEGRATION_MARKS = {"slow", "smoke", "gpu", "integration"}
-SYSTEM_MARKS = {"slurm", "system"}
+SYSTEM_MARKS = {"slurm", "system", "full"}
 
 
 def tier(item) -> str:

@@ -54,6 +54,7 @@ def test_the_sweep_config_is_checked():
 
 
 @pytest.mark.slow
+@pytest.mark.full       # a whole run repeated: `make test-all` (the nightly suite), not `make test`
 def test_the_sweep_runs_on_a_tiny_model_caches_and_reaches_the_report(tiny_cfg, tmp_path):
     pytest.importorskip("gptqmodel")
     args = ("command=calibration", "calibration_sweep.variants=[gptq_w4]", "calibration_sweep.samples=[2,8]")

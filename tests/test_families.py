@@ -94,9 +94,10 @@ def test_reference_cases_split_as_llama_cpp_splits_them(tmp_path):
 
 CI_VARIANTS = ["original", "gguf_f16", "gguf_q4_k_m", "gptq_w4", "gguf_q8_0+kv_q8_0"]
 EXPECTED_OUTCOMES = json.loads((Path(__file__).parent / "data" / "family_outcomes.json").read_text())
-# `make test` runs these three, which between them reach every committed outcome (all ok; the F16 GGUF's parity
-# refusal; llama.cpp unable to load the F16 GGUF and GPTQ refusing a weight's shape); `make test-all` runs all nine
-CI_FAMILIES = ("llama3", "mistral", "deepseek2")
+# `make test` runs these two, which between them reach every committed outcome but one (ok for each variant; the F16
+# GGUF's parity refusal; GPTQ refusing a weight's shape): llama.cpp unable to load the F16 GGUF (DeepSeek V2) is
+# tests/test_hardening.py's in CI; `make test-all` runs all nine
+CI_FAMILIES = ("phi3", "mistral")
 MATRIX = [pytest.param(f, id=f.name, marks=() if f.name in CI_FAMILIES else pytest.mark.full) for f in FAMILIES]
 
 @pytest.fixture(scope="module")

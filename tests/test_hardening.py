@@ -173,6 +173,7 @@ def _probe_workers_left(own, wait_s: float = 10.0) -> set[int]:
     return left
 
 
+@pytest.mark.full       # a whole run repeated: `make test-all` (the nightly suite), not `make test`
 def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, tiny_llama, own_processes):
     """kill -9 at the F16 conversion, the reference (transcripts, exact rows), the evaluation (free-running,
     scoring), the speed trials and the report; each rerun

@@ -224,6 +224,7 @@ def test_drift_metrics_are_deterministic(tiny_cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.full       # a whole run repeated: `make test-all` (the nightly suite), not `make test`
 def test_two_variant_multirun_with_the_joblib_launcher(tmp_path, tiny_llama):
     common = [f"model.source={tiny_llama}", "model.name=tiny", "profile=smoke", "run.suites=[smoke]",
               f"paths.artifacts={tmp_path / 'a'}", f"paths.results={tmp_path / 'r'}",
@@ -272,6 +273,7 @@ def test_a_previous_schema_baseline_is_read_and_a_metric_it_lacks_is_not_compare
 
 
 @pytest.mark.slow
+@pytest.mark.full       # a whole run repeated: `make test-all` (the nightly suite), not `make test`
 def test_the_gate_passes_a_rerun_and_fails_a_worse_file_under_an_existing_name(tiny_cfg):
     """The gate has power both ways: rerunning the same configuration from scratch (new evaluation, new speed
     trials) passes; the Q4_0 file evaluated under the name gguf_q8_0 fails, naming the variant and the metrics."""
