@@ -143,11 +143,9 @@ def test_every_variant_of_every_family_ends_as_the_committed_outcome_table_says(
     report = cfg("command=report", f"run.variants=[{','.join(CI_VARIANTS)}]")
     run(report)                           # exit 3 when a variant failed: judged per variant below
     summary = json.loads((report.results_dir / "summary.json").read_text())
-    assert summary["variants"]["original"]["status"] == "ok", summary["variants"]["original"].get("reason")
-    for name, why in refused.items():    # a refusal names its cause: the GGUF conversion's parity, say
-        assert name != "original" and len(why) > 40, (name, why)
-    # each variant's outcome is the committed one (tests/data/family_outcomes.json): a new skip, a skip for another
-    # reason, or a skip that went away fails here and the table (and docs/families.md) is updated on purpose
+    # each variant's outcome, `original`'s included, is the committed one (tests/data/family_outcomes.json): a new
+    # skip, a skip for another reason, a refused job, or a skip that went away fails here and the table (and
+    # docs/families.md) is updated on purpose
     expected = EXPECTED_OUTCOMES[fam.name]
     assert sorted(expected) == sorted(CI_VARIANTS)
     for name in CI_VARIANTS:
