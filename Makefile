@@ -197,12 +197,11 @@ LOAD_CMD = $(VENV)/bin/quantdrift command=load run.variants=[$(VARIANTS)] bench.
 # everything `make compare` needs built (scripts/nightly builds the same)
 compare-deps: setup llama-tools $(if $(strip $(LLMC_VARIANTS)),llmc-env) $(if $(findstring bench:humaneval,$(SUITES)),sandbox)
 
+# the comparison's stages, in their order, are pipeline/commands/compare.py's; the Makefile builds what it needs
 compare: compare-deps
 	@mkdir -p artifacts/.runs && printf 'MODEL := %s\nVARIANTS := %s\n' '$(MODEL)' '$(VARIANTS)' > $(RUN_RECORD)
-	$(VENV)/bin/quantdrift command=preflight run.variants=[$(VARIANTS)] $(COMMON)
-	$(VENV)/bin/quantdrift -m variant=$(VARIANTS) $(COMMON)
-	$(LOAD_CMD) load=$(COMPARE_LOAD) $(COMMON) $(LOAD_ARGS)
-	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
+	$(VENV)/bin/quantdrift command=compare run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin \
+	  load=$(COMPARE_LOAD) $(COMMON) $(LOAD_ARGS)
 
 load: setup llama-tools
 	$(LOAD_CMD) load=full $(COMMON) $(LOAD_ARGS)

@@ -1,8 +1,10 @@
 """The `quantdrift` console script: a thin Hydra wrapper around ``run(cfg)``.
 
+    quantdrift compare run.variants=[a,b,c] [overrides]   a whole comparison, stage by stage (make compare)
     quantdrift [overrides]                      evaluate one variant (default command)
     quantdrift -m variant=a,b,c [overrides]     a sweep, one Hydra job per variant
-    quantdrift report|bench|prepare [overrides]
+    quantdrift report [overrides]               render the run's finished stages (measures nothing)
+    quantdrift bench|prepare [overrides]
     quantdrift redecide [decision=...] [workload=...]   the decision of a finished run's summary.json taken again
     quantdrift regress [baseline=PATH] [overrides]   nightly gate: exit 0 ok, 1 regression, 2 the run failed
     quantdrift baseline promote RUN [overrides]      make results/<model>/RUN the baseline (old one kept)
@@ -43,13 +45,20 @@ def _evaluate(cfg: Config) -> int:
     return EXIT_VARIANT_FAILED if result["status"] == "failed" else 0
 
 
+def _compare(cfg: Config) -> int:
+    from pipeline.commands.compare import run_compare
+
+    return run_compare(cfg)
+
+
 def _report(cfg: Config) -> int:
-    from pipeline.stages.report import write_report
+    from pipeline.report.write import write_report
 
     summary = write_report(cfg)
-    rec = summary["recommendation"]
-    print(f"report: {cfg.results_dir / 'report.md'}")
-    print(f"recommendation: {rec['variant'] or 'none'} — {rec['summary']}")
+    _print_headline(cfg, summary)
+    missing = summary.get("stages_missing") or {}
+    for stage, why in missing.items():
+        print(f"not in this report: {stage} ({why}); `quantdrift compare` measures it", file=sys.stderr)
     failed = [n for n, v in summary["variants"].items() if v["status"] == "failed"]
     if failed:
         print(f"failed variants: {', '.join(failed)}", file=sys.stderr)
@@ -58,12 +67,19 @@ def _report(cfg: Config) -> int:
 
 
 def _redecide(cfg: Config) -> int:
-    from pipeline.stages.report import redecide_report
+    from pipeline.decide.summary import redecide_summary
+    from pipeline.report.write import render_report
 
-    rec = redecide_report(cfg)["recommendation"]
+    summary = redecide_summary(cfg)
+    render_report(cfg, summary)
+    _print_headline(cfg, summary)
+    return 0
+
+
+def _print_headline(cfg: Config, summary: dict) -> None:
+    rec = summary["recommendation"]
     print(f"report: {cfg.results_dir / 'report.md'}")
     print(f"recommendation: {rec['variant'] or 'none'} — {rec['summary']}")
-    return 0
 
 
 def _regress(cfg: Config) -> int:
@@ -132,20 +148,15 @@ def _plan(cfg: Config) -> int:
 
 
 def _load(cfg: Config) -> int:
-    from pipeline.measure.served_load import format_load
-    from pipeline.stages.load import run_load
+    from pipeline.commands.compare import load_stage
 
-    result = run_load(cfg)
-    print(format_load(result))
-    print(f"load sweep: {cfg.results_dir / 'load.json'} (server logs: {result['logs']})")
-    failed = [n for n, v in result["variants"].items() if v["status"] == "failed"]
-    for name in failed:    # reported in load.json and the report; the comparison goes on to its report
-        log.error("load sweep: %s failed: %s", name, result["variants"][name]["reason"])
+    load_stage(cfg)
     return 0
 
 
 # command -> what runs it (Config.COMMANDS lists the same names; a test checks they agree)
-COMMANDS = {"evaluate": _evaluate, "report": _report, "redecide": _redecide, "regress": _regress, "baseline": _baseline,
+COMMANDS = {"evaluate": _evaluate, "compare": _compare, "report": _report, "redecide": _redecide, "regress": _regress,
+            "baseline": _baseline,
             "corpus": _corpus, "bench": _bench, "prepare": _prepare, "calibration": _calibration,
             "load": _load, "plan": _plan, "preflight": _preflight}
 

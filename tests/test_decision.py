@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pipeline.report.variant_summary import degenerate, free_running_figures
+from pipeline.decide.variant_summary import degenerate, free_running_figures
 from pipeline.decide.recommendation import decide
 from pipeline.config.commands import DecisionConfig
 from pipeline.decide.recommendation import dominator, pareto_front

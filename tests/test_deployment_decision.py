@@ -153,13 +153,18 @@ def test_bad_decision_settings_name_the_key(key, value):
 def test_redecide_takes_the_decision_again_from_a_finished_run_and_measures_nothing(tmp_path, monkeypatch):
     """The committed default run decided again under another preset and workload: the summary's recommendation,
     report.md and report.html follow; the per-sample viewer of the report as rendered is kept; no stage runs."""
+    import dataclasses
     import json
     import shutil
 
     import pipeline.stages.speed as speed
     from pipeline.config.schema import PROJECT_ROOT
-    from pipeline.stages.report import redecide_report
+    from pipeline.cli import run as cli_run
     from tests.conftest import compose
+
+    def redecide_report(cfg):
+        assert cli_run(dataclasses.replace(cfg, command="redecide")) == 0
+        return json.loads((cfg.results_dir / "summary.json").read_text())
 
     def no_measuring(*a, **k):
         raise AssertionError("redecide measured something")

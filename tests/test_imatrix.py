@@ -124,7 +124,7 @@ def _variant(kld_by_conv: dict, gguf_type: str, imatrix: bool) -> dict:
 
 
 def test_the_importance_matrix_effect_is_paired_over_conversations():
-    from pipeline.report.variant_summary import imatrix_effects
+    from pipeline.decide.variant_summary import imatrix_effects
 
     convs = [f"s/c{i}" for i in range(12)]
     plain = {c: [0.10 * (1 + i % 5) * 100, 100] for i, c in enumerate(convs)}       # conversations differ a lot

@@ -368,7 +368,7 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     assert calls == [] and again["profile"] == "full" and again["logs"].endswith("load-full-logs")
     assert json.loads((cfg.results_dir / "load.json").read_text())["profile"] == "full"
     # the run's time table: the short sweep in the total, the full one beside it with its trials' own time
-    from pipeline.report.stage_times import run_stages
+    from pipeline.decide.stage_times import run_stages
 
     times = run_stages(cfg, ["gguf_q8_0"])
     assert times["run_s"]["load"] > 0 and times["total_s"] >= times["run_s"]["load"]

@@ -155,7 +155,7 @@ def test_smoke_run_of_the_embedded_model_through_the_cli(tmp_path):
 
 
 def test_a_result_from_another_schema_is_reported_skipped_not_misread(tmp_path):
-    from pipeline.report.variant_summary import variant_summary
+    from pipeline.decide.variant_summary import variant_summary
 
     old = {"status": "ok", "runtime": "llamacpp", "description": "x", "evaluation": {"dir": str(tmp_path / "gone")}}
     v = variant_summary(old)

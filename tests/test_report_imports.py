@@ -12,25 +12,23 @@ PKG = Path(pipeline.__file__).parent
 
 
 def test_report_package_has_no_import_cycle_and_keeps_its_layers():
+    """Rendering in layers: cells -> tables and sections -> plots -> markdown/html -> write, never back up."""
     graph = import_graph()
-    report = {m for m in graph if m.startswith("pipeline.report.")} | {"pipeline.stages.report"}
-    assert report >= {"pipeline.stages.report", "pipeline.report.summary", "pipeline.report.sections",
-                      "pipeline.report.markdown", "pipeline.report.html", "pipeline.report.plots"}
+    report = {m for m in graph if m.startswith("pipeline.report.")}
+    assert report >= {"pipeline.report.write", "pipeline.report.sections", "pipeline.report.markdown",
+                      "pipeline.report.html", "pipeline.report.plots"}
     cycle = find_cycle({m: graph[m] & report for m in report})
     assert cycle is None, f"import cycle through the report: {cycle}"
-    # cells -> tables -> sections / summary -> plots -> markdown/html -> the stage, never back up
-    layer = {"pipeline.report.cells": 0, "pipeline.report.variant_summary": 0, "pipeline.report.tables": 1,
-             "pipeline.report.stage_times": 1, "pipeline.report.decision_section": 1, "pipeline.report.bench_section": 1,
-             "pipeline.report.bench_summary": 1, "pipeline.report.summary": 2, "pipeline.report.sections": 2,
-             "pipeline.report.plots": 3, "pipeline.report.markdown": 4, "pipeline.report.html": 4,
-             "pipeline.stages.report": 5}
+    layer = {"pipeline.report.cells": 0, "pipeline.report.tables": 1, "pipeline.report.decision_section": 1,
+             "pipeline.report.bench_section": 1, "pipeline.report.sections": 2, "pipeline.report.plots": 3,
+             "pipeline.report.markdown": 4, "pipeline.report.html": 4, "pipeline.report.write": 5}
     for mod in report:
         for dep in graph[mod] & report:
             assert layer[dep] < layer[mod], (mod, dep)
 
 
 def test_public_names_and_no_matplotlib_at_import():
-    code = ("import sys; from pipeline.stages.report import write_report; from pipeline.report.summary import "
+    code = ("import sys; from pipeline.report.write import write_report; from pipeline.decide.summary import "
             "build_summary; from pipeline.report.sections import report_sections; from pipeline.report.markdown import "
             "render_markdown; from pipeline.report.html import render_html; "
             "from pipeline.report.plots import make_plots; from pipeline.cli import run; "

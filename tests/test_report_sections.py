@@ -153,7 +153,7 @@ def test_every_committed_summary_and_the_nightly_baseline_still_match_the_contra
 
 
 def test_build_summary_validates_before_returning(tmp_path, monkeypatch):
-    import pipeline.report.summary as mod
+    import pipeline.decide.summary as mod
     from tests.conftest import compose
 
     cfg = compose(["model.source=/nonexistent", "model.name=hand", "profile=smoke", "run.suites=[smoke]",
@@ -184,7 +184,7 @@ def test_the_report_states_how_free_running_replies_were_decoded(tmp_path):
 
 
 def test_the_run_time_table_names_the_short_sweep_and_lists_make_loads_sweep_outside_the_total(tmp_path):
-    from pipeline.report.stage_times import other_sweeps
+    from pipeline.decide.stage_times import other_sweeps
     from pipeline.infra.stage_cache import run_stage
     from pipeline.infra.files import write_json
 

@@ -356,7 +356,7 @@ class Config:
     force: bool = False
     seed: int = 0
 
-    COMMANDS = ("evaluate", "report", "redecide", "regress", "baseline", "corpus", "bench", "prepare", "calibration",
+    COMMANDS = ("evaluate", "compare", "report", "redecide", "regress", "baseline", "corpus", "bench", "prepare", "calibration",
                 "load", "plan", "preflight")
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """The summary contract, declared once: every metric of a variant's summary entry with its section, which
 direction is better, its interval, whether it is hardware-independent, its label and its format.
 
-The summary entries (``pipeline.report.variant_summary``), the nightly gate's metrics and tolerance validation
+The summary entries (``pipeline.decide.variant_summary``), the nightly gate's metrics and tolerance validation
 (``pipeline.decide.nightly_gate``), the history line, the report's tables, the JSON Schema (``summary_schema`` ->
 ``schema/summary.schema.json``) and the contract test are all derived from ``METRICS``. Adding a metric is one
 entry here plus its computation (a key of the same name in the figures its ``source`` names). A leaf module.
@@ -99,7 +99,7 @@ SECTION_FIELDS = {
 }
 
 
-# A variant's row of one benchmark task (summary.variants.NAME.benchmarks.TASK, pipeline.report.bench_summary):
+# A variant's row of one benchmark task (summary.variants.NAME.benchmarks.TASK, pipeline.decide.bench_summary):
 # field -> JSON type. Accuracy and recovery are intervals (95 %, bootstrap over the task's samples, paired for
 # recovery); recovery, the flips and the McNemar p-values are null for the original (the reference) and where the
 # run has no original's answers. The task's own facts are in summary.benchmarks.TASK (BENCH_TASK_FIELDS).

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def _stage_walls(cfg: Config, name: str) -> dict:
-    from pipeline.report.stage_times import reference_stages, variant_stages
+    from pipeline.decide.stage_times import reference_stages, variant_stages
 
     out = variant_stages(cfg, name)
     out.update({f"reference_{suite}": w for suite, w in reference_stages(cfg).items()})

@@ -1,5 +1,5 @@
 """Where each stage of a run keeps its manifest: the folders under ``artifacts/<model>`` keyed as the planner keys
-its stages (``pipeline.stages.plan``), read by the run's stage times and peaks (``pipeline.report.stage_times``) and
+its stages (``pipeline.stages.plan``), read by the run's stage times and peaks (``pipeline.decide.stage_times``) and
 by the planner's time model (``pipeline.measure.stage_rates``)."""
 
 from __future__ import annotations

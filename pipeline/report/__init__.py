@@ -1,3 +1,2 @@
-"""The report's rendering: ``summary`` (build_summary), ``variant_summary`` (one variant's entry), ``sections``
-and ``tables`` (what both formats render, with ``cells``' formatting), ``plots``, ``markdown`` and ``html``. The stage
-that writes them is ``pipeline.stages.report``."""
+"""Rendering a run's summary.json, measuring and deciding nothing: ``sections`` and ``tables`` (what both formats
+render, with ``cells``' formatting), ``plots``, ``markdown`` and ``html``; ``write`` writes them beside the summary."""

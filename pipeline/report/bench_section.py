@@ -1,7 +1,7 @@
 """The report's benchmark section: per ``bench:TASK`` of the run, one table of the variants (the task's metric,
 accuracy and recovery with their 95 % intervals, the flips each way, the exact McNemar p and its family-wise
 adjusted value), the task's identity, limit and decoding, and how HumanEval's model-written code was confined.
-Read from ``summary["benchmarks"]`` and each variant's ``benchmarks`` rows (``pipeline.report.bench_summary``)."""
+Read from ``summary["benchmarks"]`` and each variant's ``benchmarks`` rows (``pipeline.decide.bench_summary``)."""
 
 from __future__ import annotations
 

@@ -373,7 +373,11 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
                 "by suite" if "t interval" in kld_iv.get("method", "") else
                 f"95 % bootstrap intervals resampling conversations ({kld_iv.get('units', 0)} conversations, 2,000 "
                 "replicates, fixed seed)")
-    variants_blocks: list = [main_table(summary), *mark_notes(summary), (
+    missing = summary.get("stages_missing") or {}
+    variants_blocks: list = ([f"Not in this report: {'; '.join(f'{k} ({why})' for k, why in missing.items())}. "
+                              "`quantdrift compare` measures what a run lacks; `quantdrift report` measures nothing."]
+                             if missing else [])
+    variants_blocks += [main_table(summary), *mark_notes(summary), (
         "KLD: mean token-level KL divergence (nats) of the variant's next-token distribution from the original's, "
         "teacher-forced on the original's own transcripts (top-K + tail bucket, exact where the tail is large). Pass/flips: machine checks on the "
         "variant's free-running replies; a flip is a check whose outcome differs from the original's (pass→fail / "

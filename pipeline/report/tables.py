@@ -282,7 +282,7 @@ def _exactness_rows(ok: dict) -> list[list[str]]:
 
 
 def _exactness_cell(ex: dict | None) -> str:
-    from pipeline.report.variant_summary import pooled_exactness
+    from pipeline.decide.variant_summary import pooled_exactness
 
     pooled = pooled_exactness(ex)
     if not pooled or pooled["ratio"] is None:

@@ -1,7 +1,7 @@
 """Stage 4b, the benchmark tasks of a run (``run.suites`` entries ``bench:TASK``) on one variant: each task through
 lm-eval on the variant's own runtime (``pipeline.suites.lmeval``), its per-sample rows and metrics kept, one stage
 per task and variant. The flips against the original are computed in the summary
-(``pipeline.report.bench_summary``), from the rows of both.
+(``pipeline.decide.bench_summary``), from the rows of both.
 
 Decoding: plain greedy (``BENCH_DECODING``: repetition penalty 1.0), whatever ``runtime.repeat_penalty`` the
 conversation suites use. A benchmark is scored as published (lm-eval's own models decode greedily without a

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 from pipeline.config.schema import Config
 from pipeline.measure.stats import median_interval, paired_ratio
@@ -196,28 +197,55 @@ def speed_protocol() -> dict:
     the A/A floor) are computed when the summary is built, from the trials, never cached."""
     from pipeline.infra.code_version import code_version
 
-    return code_version("pipeline.measure.probe", "pipeline.measure.memory", trial_order, WorkerPool, _control,
-                        measure_speed, _extra_rounds, extra_spread)
+    return code_version("pipeline.measure.probe", "pipeline.measure.memory", *_PROTOCOL_CODE)
 
 
-def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
-    """Run (or resume) the interleaved trials of every evaluated variant; returns the trials file's content:
-    {"rounds", "order", "control", "trials": {label: [trial result or {"error": ...}, one per round]}}."""
+def _stage(cfg: Config, results: dict[str, dict]) -> tuple[dict, Path, dict, list[str]] | None:
+    """(probe specs, stage folder, cache key, extra-round labels) of this run's speed stage; None when no variant
+    was evaluated."""
     specs = {n: r["probe"] for n, r in results.items() if r.get("status") == "ok" and r.get("probe")}
     if not specs:
         return None
     sp = cfg.profile.speed
     names = list(specs)
     control = _control(cfg, names)
-    order = trial_order(names, control, sp.trials)
-    out_dir = cfg.model_dir / "runs" / cfg.run.name / "speed"
     key = {"specs": {n: stable_hash(s) for n, s in specs.items()}, "trials": sp.trials, "control": control,
            "max_cpu_noise": sp.max_cpu_noise, "protocol": speed_protocol()}
-
     extra = [n for n in names if specs[n]["runtime"] in (sp.extra_runtimes or [])] if sp.extra_max_rounds else []
     if extra:
         key["extra"] = {"labels": extra, "max_rounds": sp.extra_max_rounds, "max_minutes": sp.extra_max_minutes,
                         "margin": cfg.regress.speed_margin, "target": cfg.regress.detect_target}
+    return specs, cfg.model_dir / "runs" / cfg.run.name / "speed", key, extra
+
+
+def finished_speed(cfg: Config, results: dict[str, dict]) -> tuple[dict | None, str | None]:
+    """The speed stage of this run as it finished, measuring nothing: (its trials file's content, None), or
+    (None, why there is none) where variants were evaluated but their trials are missing or were measured on
+    other artifacts or with other code; (None, None) where no variant was evaluated."""
+    from pipeline.infra.stage_cache import load_manifest
+
+    stage = _stage(cfg, results)
+    if stage is None:
+        return None, None
+    _, out_dir, key, _ = stage
+    manifest = load_manifest(out_dir)
+    if manifest is None or not (out_dir / "trials.json").is_file():
+        return None, "the speed trials have not run for this run's variants"
+    if manifest.get("key_hash") != stable_hash(key):
+        return None, "the speed trials on disk were measured on other artifacts or with other code"
+    return read_json(out_dir / "trials.json"), None
+
+
+def measure_speed(cfg: Config, results: dict[str, dict]) -> dict | None:
+    """Run (or resume) the interleaved trials of every evaluated variant; returns the trials file's content:
+    {"rounds", "order", "control", "trials": {label: [trial result or {"error": ...}, one per round]}}."""
+    stage = _stage(cfg, results)
+    if stage is None:
+        return None
+    specs, out_dir, key, extra = stage
+    sp = cfg.profile.speed
+    control = key["control"]
+    order = trial_order(list(specs), control, sp.trials)
 
     def build(tmp):
         journal = Journal(out_dir, "trials", key)
@@ -391,3 +419,7 @@ def noise_floor(run: dict | None, alpha: float = 0.05) -> dict | None:
                           "floor": max(1 - test["low"], test["high"] - 1, abs(test["ratio"] - 1))}
     return {"control": control, "rounds": run["rounds"], "alpha": alpha, "figures": figures,
             "test": "paired sign-flip permutation test on log ratios over interleaved rounds"}
+
+
+# the functions and classes whose code the trials' figures come from (speed_protocol), taken as defined here
+_PROTOCOL_CODE = (trial_order, WorkerPool, _control, measure_speed, _extra_rounds, extra_spread)

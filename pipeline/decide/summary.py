@@ -1,6 +1,7 @@
-"""summary.json: the versioned summary of a run, assembled from the per-variant result files and the run's
-interleaved speed trials (measured here once, then cached: ``pipeline.stages.speed``), and checked against the
-published JSON Schema before anything is written."""
+"""summary.json: the versioned summary of a run, assembled from its finished stages (the per-variant result files,
+the bandwidth reading, the interleaved speed trials, the load sweep, the calibration sweep), decided, and checked
+against the published JSON Schema before anything is written. Nothing here measures: a stage the run lacks is named
+in ``stages_missing`` with why, and its figures are absent."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import time
 from pipeline.config.summary_contract import SCHEMA_VERSION
 from pipeline.measure.capacity import capacity_plan
 from pipeline.measure.measured_runs import WORKLOAD_KEYS
-from pipeline.report.bench_summary import attach_benchmarks
-from pipeline.report.variant_summary import imatrix_effects, variant_summary
+from pipeline.decide.bench_summary import attach_benchmarks
+from pipeline.decide.variant_summary import imatrix_effects, variant_summary
 from pipeline.runtimes import runtime_class
 from pipeline.measure.calibration_sweep import load_sweep
 from pipeline.stages.load import attach_load
@@ -20,7 +21,7 @@ from pipeline.config.schema import Config
 from pipeline.decide.recommendation import decide
 from pipeline.decide.target import make_target
 from pipeline.stages.variant_job import load_result
-from pipeline.report.stage_times import run_stages
+from pipeline.decide.stage_times import run_stages
 from pipeline.infra.stage_cache import hardware, library_versions
 
 
@@ -30,14 +31,16 @@ def build_summary(cfg: Config) -> dict:
     for name in names:
         r = load_result(cfg, name)
         results[name] = r or {"status": "skipped", "reason": "not evaluated in this run (no result file)"}
-    from pipeline.measure.bandwidth import load_bandwidth, resolve_device, run_bandwidth
+    from pipeline.measure.bandwidth import load_bandwidth
+    from pipeline.stages.speed import WORKERS_FRESH, finished_speed, noise_floor
 
+    missing = {}
     bandwidth = load_bandwidth(cfg)
     if bandwidth is None and any(r.get("status") == "ok" for r in results.values()):
-        bandwidth = run_bandwidth(cfg, resolve_device(cfg.runtime.device))   # a run from before bandwidth existed
-    from pipeline.stages.speed import WORKERS_FRESH, measure_speed, noise_floor
-
-    speed_run = measure_speed(cfg, results)
+        missing["bandwidth"] = "no bandwidth reading for this run's thread count"
+    speed_run, why = finished_speed(cfg, results)
+    if why:
+        missing["speed"] = why
     speed_noise = noise_floor(speed_run, cfg.decision.alpha)
     trials = (speed_run or {}).get("trials") or {}
     variants = {name: variant_summary(r, bandwidth, cfg.decision.degeneration, cfg.seed, trials.get(name),
@@ -106,10 +109,48 @@ def build_summary(cfg: Config) -> dict:
         "decision_config": cfg.decision.__dict__,
         "capacity": cfg.capacity.__dict__,
         "bandwidth": bandwidth,
+        # stages the run lacks (their figures are absent), with why: `quantdrift compare` measures them
+        "stages_missing": missing,
         "versions": library_versions(),
         "hardware": machine,
     }
     validate_summary(summary)
+    return summary
+
+
+def write_summary(cfg: Config) -> dict:
+    """The decision stage: the summary of the run's finished stages, written to summary.json; returns it."""
+    from pipeline.infra.files import write_json
+
+    summary = build_summary(cfg)
+    cfg.results_dir.mkdir(parents=True, exist_ok=True)
+    # in the order it was built (variants in run order, reasons in the decision's order): the report renders the
+    # summary as it is read back, so report.md is reproducible from summary.json alone
+    write_json(cfg.results_dir / "summary.json", summary, sort_keys=False)
+    return summary
+
+
+def redecide_summary(cfg: Config) -> dict:
+    """The decision of a finished run taken again from its summary.json alone, with ``cfg.decision`` and the
+    deployment target of ``cfg.workload`` (on the run's recorded hardware), and written back: every figure is the
+    run's own; nothing is measured. The summary records that it was re-decided and when."""
+    from pipeline.infra.errors import ConfigError
+    from pipeline.infra.files import read_json, write_json
+
+    out_dir = cfg.results_dir
+    path = out_dir / "summary.json"
+    if not path.is_file():
+        raise ConfigError(f"run.name={cfg.run.name!r}: no summary.json in {out_dir}: expected a finished run "
+                          "(make compare, then quantdrift report)")
+    summary = read_json(path)
+    headroom = (summary.get("capacity") or {}).get("headroom", cfg.capacity.headroom)     # the run's own
+    target = make_target(cfg.workload, cfg.decision, headroom, summary.get("hardware"),
+                         summary.get("model"), (summary.get("capacity") or {}).get("context_tokens"))
+    summary["recommendation"] = decide(summary["variants"], cfg.decision, summary.get("speed_noise"), target)
+    summary["decision_config"] = cfg.decision.__dict__
+    summary["redecided_unix"] = time.time()
+    validate_summary(summary)
+    write_json(out_dir / "summary.json", summary, sort_keys=False)
     return summary
 
 
