@@ -1,8 +1,8 @@
 """Memory bandwidth of the host (or GPU), measured once per run, for the roofline column: decode is memory-bound,
 so decode tokens/s x bytes read per token / bandwidth says how close a runtime gets to the physical limit. Beside it
 on a CPU, its compute rate (a prompt-shaped matrix product): prefill is compute-bound, and the two move apart from
-day to day on a shared machine, so the planner rescales a run's prompt work by the one and its decoding by the
-other."""
+one machine state to the next on a shared machine, so the planner rescales a run's prompt work by the one and its
+decoding by the other."""
 
 from __future__ import annotations
 
