@@ -1,6 +1,7 @@
 """The README stays a users' guide that matches the repository: short, with what a run outputs, the own-model command
 and the cost section up front; every `make` target, repository path and relative link it names exists; and neither it
-nor docs/ reads like a work log. Text only: no network, no project imports."""
+nor docs/ nor results/README.md reads like a work log (a run's commit, machine and date belong in the provenance
+table of results/README.md, nowhere in prose). Text only: no network, no project imports."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
+RESULTS_README = ROOT / "results" / "README.md"
 MAX_README_LINES = 300
 
 FENCE = re.compile(r"^\s*(```|~~~)")
@@ -28,7 +30,15 @@ WORK_LOG = {
     "a numbered issue": re.compile(r"[Ii]ssues? #?\d+"),
     "a bare issue number such as #37": re.compile(r"(?<![\w/&-])#\d+\b"),
     "'session'": re.compile(r"\bsessions?\b", re.IGNORECASE),
+    # 7-40 hex digits with at least one digit and one letter a-f, as a whole word: a commit hash or a cpu key, not
+    # "decade", "f16", "bf16" or "q4_0"
+    "a commit hash": re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"),
+    "a date": re.compile(r"\b\d{4}-\d{2}-\d{2}\b"),
+    "a day": re.compile(r"\b(?:same day|slower day|days? later|next day|today|yesterday)\b", re.IGNORECASE),
+    "'this machine'": re.compile(r"\bthis machine\b", re.IGNORECASE),
 }
+# What the provenance table of results/README.md (its Markdown table rows) may carry.
+PROVENANCE = {"a commit hash", "a date"}
 
 
 def split_code(text: str) -> tuple[list[str], list[str]]:
@@ -135,13 +145,13 @@ def repo_paths_named(text: str) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("doc", [README, *DOCS, RESULTS_README], ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_repository_path_named_exists(doc: Path):
     missing = sorted(p for p in repo_paths_named(doc.read_text()) if not (ROOT / p).exists())
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("doc", [README, *DOCS, RESULTS_README], ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(doc: Path):
     prose, _ = split_code(doc.read_text())
     broken = []
@@ -162,16 +172,35 @@ def test_docs_exist():
     assert DOCS, "docs/ should hold the material moved out of the README"
 
 
-@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_work_log_voice(doc: Path):
-    prose, _ = split_code(doc.read_text())
+def work_log_voice(text: str, provenance_table: bool = False) -> list[str]:
+    """What reads like a work log in the prose of a Markdown text (code blocks and inline code left out). With
+    ``provenance_table`` its table rows may carry commit hashes and dates (results/README.md's provenance table)."""
+    prose, _ = split_code(text)
     found = []
-    for number, line in enumerate(prose, 1):
-        text = without_inline_code(line)
+    for line in prose:
+        stripped = without_inline_code(line)
+        in_table = provenance_table and line.lstrip().startswith("|")
         for what, pattern in WORK_LOG.items():
-            if pattern.search(text):
+            if in_table and what in PROVENANCE:
+                continue
+            if pattern.search(stripped):
                 found.append(f"{what}: {line.strip()[:100]!r}")
+    return found
+
+
+@pytest.mark.parametrize("doc", [README, *DOCS, RESULTS_README], ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_work_log_voice(doc: Path):
+    found = work_log_voice(doc.read_text(), provenance_table=doc == RESULTS_README)
     assert not found, f"{doc.relative_to(ROOT)} reads like a work log:\n" + "\n".join(found)
+
+
+def test_results_readme_has_one_provenance_table():
+    """One table of the runs, with each run's label, commit, machine and date."""
+    prose, _ = split_code(RESULTS_README.read_text())
+    headers = [line for line in prose if line.startswith("| label |")]
+    assert len(headers) == 1, "results/README.md should hold one provenance table (a header row starting '| label |')"
+    for column in ("commit", "machine", "date"):
+        assert f"| {column} |" in headers[0] + "|", f"the provenance table lacks a {column} column"
 
 
 def test_the_checks_catch_what_they_are_for():
@@ -184,7 +213,20 @@ def test_the_checks_catch_what_they_are_for():
     assert repo_paths_named("See `conf/variant/NAME.yaml`, `docs/<x>.md` and [m](docs/methodology.md#a).") == {
         "docs/methodology.md"}
     assert slug("Against llama.cpp's own tools (`make bench`)") == "against-llamacpps-own-tools-make-bench"
-    for phrase in ("I attribute it", "as issue 13 asks", "see #37", "in this session"):
+    for phrase in ("I attribute it", "as issue 13 asks", "see #37", "in this session", "at commit 2ca2279",
+                   "cpu key d33f879f", "fixed in 5bee80c.", "on 2026-12-05", "the same day", "on a slower day",
+                   "two days later", "a day later", "the next day", "rerun today", "as yesterday",
+                   "on this machine", "This machine's bandwidth"):
         assert any(p.search(phrase) for p in WORK_LOG.values()), phrase
-    for phrase in ("IQ4_XS and Q4_K_M", "llm-compressor#1618", "[x](#the-metrics)"):
-        assert not any(p.search(phrase) for p in WORK_LOG.values()), phrase
+    for phrase in ("IQ4_XS and Q4_K_M", "llm-compressor#1618", "[x](#the-metrics)", "a decade", "f16 and bf16",
+                   "gguf_q4_0", "Q4_0 and q8_0 KV", "add 1234567 rows", "deadbeef", "sha256", "fp16 1e-03",
+                   "run default-xeon", "`2ca2279` in code", "within 24 hours", "on the machine it runs on",
+                   "a day's work"):
+        assert not any(p.search(without_inline_code(phrase)) for p in WORK_LOG.values()), phrase
+    table = "| label | commit | date |\n|---|---|---|\n| default-xeon | c252421 | 2026-12-06 |\n"
+    assert work_log_voice(table, provenance_table=True) == []
+    assert len(work_log_voice(table)) == 2
+    assert work_log_voice(table + "Run at c252421 on 2026-12-06.\n", provenance_table=True) == [
+        "a commit hash: 'Run at c252421 on 2026-12-06.'", "a date: 'Run at c252421 on 2026-12-06.'"]
+    assert work_log_voice("| x | the same day on this machine |", provenance_table=True) == [
+        "a day: '| x | the same day on this machine |'", "'this machine': '| x | the same day on this machine |'"]

@@ -159,8 +159,9 @@ def _scaled(base: Family, name: str, title: str, features: str, **config) -> Fam
 
 
 # Larger random models of a published geometry, run alone (never in the CI matrix): they test the plan's scaling
-# beyond the 135 M demo model on this machine (docs/plan.md). llama3-1b: Llama-3.2-1B's shapes (1.24 B parameters);
-# qwen2-1.5b: Qwen2.5-1.5B's (1.54 B, a 152k vocabulary), a check of the plan on a model it was not fitted on.
+# beyond the 135 M demo model (docs/plan.md, "A 1.24 B model planned from the 135 M demo run"). llama3-1b:
+# Llama-3.2-1B's shapes (1.24 B parameters); qwen2-1.5b: Qwen2.5-1.5B's (1.54 B, a 152k vocabulary), a check of the
+# plan on a model it was not fitted on.
 SCALED: tuple[Family, ...] = (
     _scaled(FAMILIES[0], "llama3-1b", "Llama 3.2 1B geometry", "Llama-3.2-1B's shapes: 16 layers, hidden 2048, "
             "GQA 32/8, head 64, MLP 8192, tied embeddings", hidden_size=2048, intermediate_size=8192,

@@ -1,8 +1,8 @@
 """Memory bandwidth of the host (or GPU), measured once per run, for the roofline column: decode is memory-bound,
 so decode tokens/s x bytes read per token / bandwidth says how close a runtime gets to the physical limit. Beside it
 on a CPU, its compute rate (a prompt-shaped matrix product): prefill is compute-bound, and the two move apart from
-day to day on a shared machine, so the planner rescales a run's prompt work by the one and its decoding by the
-other."""
+one machine state to the next on a shared machine, so the planner rescales a run's prompt work by the one and its
+decoding by the other."""
 
 from __future__ import annotations
 
@@ -90,8 +90,8 @@ def measure_bandwidth(device: str = "cpu", mib: int = 512, repeats: int = 7, thr
     threads = threads or usable_cpus()
     llc = last_level_cache_bytes()
     if llc and n < 8 * llc:
-        # 8x the last-level cache, but no more than _MAX_BUFFER: a VM's sysfs names its host's whole L3 (300 MiB
-        # on one Xeon of this machine kind, 8x of it a 4.8 GB pair of buffers) of which its two cores get a share
+        # 8x the last-level cache, but no more than _MAX_BUFFER: a VM's sysfs names its host's whole L3, of which
+        # its cores get a share (docs/plan.md, "The planner's constants and their sources")
         n = max(n, min(8 * llc, _MAX_BUFFER))
     a = np.ones(n // 8)
     b = np.empty_like(a)
@@ -127,8 +127,8 @@ def measure_compute(threads: int | None = None, repeats: int = 7, rows: int = 51
     ``width`` x ``width``: 4.3 GFLOP, tens of milliseconds) on ``threads`` BLAS threads, in FLOP/s, with the CPU
     time other processes took meanwhile (``OtherCpu``), measured once more when that is above ``max_cpu_noise``
     (``quieter``, as the bandwidth). A reading of the cores' arithmetic (their clock, the share a neighbour leaves
-    them), as the bandwidth is of the memory: llama-bench on one Q8_0 file read 1.28x the prefill and 1.46x the
-    decode of a run two days before on the same CPU key, whose bandwidth had read 1.53x less."""
+    them), as the bandwidth is of the memory; the two move apart between machine states (docs/plan.md, "How the
+    prediction is made")."""
     import numpy as np
     from threadpoolctl import threadpool_limits
 

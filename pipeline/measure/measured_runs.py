@@ -247,7 +247,7 @@ def choose_run(runs: list[MeasuredRun], model: str, cpu_key: str | None) -> Meas
 def bandwidth_here(threads: int) -> float:
     """This machine's memory bandwidth in bytes/s, measured now in one to two seconds (the short calibration), the
     way every run records its own (``bandwidth.run_bandwidth``: the same buffer and repeats), so that the two
-    readings compare: a 128 MiB buffer copied three times read 25 GB/s on a machine whose runs recorded 40-45."""
+    readings compare (why a shorter copy does not: docs/plan.md, "How the prediction is made")."""
     from pipeline.measure.bandwidth import measure_bandwidth
 
     return measure_bandwidth("cpu", threads=threads)["bytes_per_s"]
@@ -278,9 +278,9 @@ def calibration_factor(mr: MeasuredRun, cpu_key: str | None, threads: int, measu
                        recorded_here: float | None = None) -> tuple[float, str]:
     """(multiplier, what it rests on): the run's recorded bandwidth over this machine's, measured now or
     ``recorded_here`` (bytes/s this machine recorded earlier: a compared run's own reading). On the run's own CPU
-    too: machines with the same instruction-set key differ, and so does one machine from day to day (its host's
-    memory, what runs beside it): the demo run recorded 29.7 GB/s, a run on the same CPU key two days later 45.3,
-    and every stage of that run took about two thirds of the time the demo's walls planned. 1 where the run
+    too: machines with the same instruction-set key differ, and so does one machine between runs (its host's
+    memory, what runs beside it; the readings: docs/plan.md, "Every run rescaled by bandwidth, on its own CPU
+    too"). 1 where the run
     recorded no bandwidth (on its own CPU as it is; from another, not rescaled)."""
     same = bool(mr.cpu_key) and mr.cpu_key == cpu_key
     where = f"measured here ({mr.label}, same CPU key {cpu_key})" if same else f"{mr.label} ({mr.cpu})"

@@ -6,8 +6,8 @@ A type's prompt cost per weight does not follow its bytes: when llama.cpp loads 
 some types (Q4_0, Q4_K, IQ4_NL, ...) into interleaved layouts for batched matrix products, and the others go
 through tinyBLAS or per-row dot products. A small model's K-quant file is mostly fallbacks (Q5_0, Q8_0: rows not a
 multiple of 256), a larger model's the K-quants themselves, so a prompt rate measured on one carries to the other
-by its types, not its parameters alone: with llama-bench on 512-token prompts the 135 M demo's Q4_K_M reads
-prompts at 0.90x its Q8_0's speed, a 1.24 B Llama's Q4_K_M at 1.35x its own Q8_0's.
+by its types, not its parameters alone (the llama-bench ratios: docs/plan.md, "The planner's constants and their
+sources").
 
 The repacking is the model loader's (a plain ggml graph does not do it), so each type is timed as llama.cpp's own
 benchmark times a model: a synthetic Llama-shaped GGUF of two layers (2048 wide, 8192 feed-forward, every matrix

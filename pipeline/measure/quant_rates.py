@@ -2,12 +2,12 @@
 carries a GGUF quantization's time with.
 
 llama-quantize reads the F16 file, quantizes each tensor to its ggml type and writes it, and a type's cost per
-weight varies 60-fold: Q8_0 and Q4_0 round each block once (1-3 ns a weight on an AVX-512 EPYC), the K-quants
-search every super-block's scales (Q4_K 65 ns) and IQ4_NL its non-linear grid (180 ns). A small model's K-quant
-file is mostly 32-wide fallbacks (rows not a multiple of 256), so its quantization says little about a larger
-model's by the parameters alone. This times ``ggml_quantize_chunk`` (the function llama-quantize calls per
-tensor, from the same build's ggml) on a random float32 matrix for each type, once per process: well under a
-second for the types of one plan.
+weight varies 60-fold: Q8_0 and Q4_0 round each block once, the K-quants search every super-block's scales and
+IQ4_NL its non-linear grid (the measured costs: docs/plan.md, "The planner's constants and their sources"). A small
+model's K-quant file is mostly 32-wide fallbacks (rows not a multiple of 256), so its quantization says little about
+a larger model's by the parameters alone. This times ``ggml_quantize_chunk`` (the function llama-quantize calls per
+tensor, from the same build's ggml) on a random float32 matrix for each type, once per process: well under a second
+for the types of one plan.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The working set of every stage of a run, per variant: disk written, peak host and device memory.
 
 Each figure is the footprint arithmetic (``pipeline.measure.footprint``) plus a runtime's own memory: its libraries
-and buffers, taken from the committed demo run (results/smollm2-135m-instruct/quick on a 2-core AMD EPYC,
-torch 2.13, llama.cpp of llama-cpp-python 0.3.36), where each was the measured peak minus the weights and the KV
-cache it held. A variant is classified by its settings, never by its backend's name: a ``type`` in its quantize
-settings is a GGUF file, ``bits`` a packed GPTQ/AWQ checkpoint, neither the original itself.
+and buffers, each a measured peak minus the weights and the KV cache it held; their sources are in docs/plan.md,
+"The planner's constants and their sources". A variant is classified by its settings, never by its backend's name: a
+``type`` in its quantize settings is a GGUF file, ``bits`` a packed GPTQ/AWQ checkpoint, neither the original
+itself.
 """
 
 from __future__ import annotations
@@ -16,23 +16,23 @@ from pipeline.measure.footprint import (MIB, Footprint, Inventory, dense_bytes, 
                                         ggml_quant_sizes, kv_bytes, logits_bytes, packed_bytes, tensor_bytes)
 from pipeline.runtimes.placement import CUDA_CONTEXT_B  # the CUDA context and its workspace on each device
 
-# the runtime's own memory beside weights, KV and logits (committed run, speed probes: peak RSS - weights - KV)
-HF_OVERHEAD_B = 450 * MIB           # original on transformers: 980 MiB peak, 513 MiB fp32 weights, 14 MiB KV
-HF_QUANTIZED_EXTRA_B = 160 * MIB    # GPTQ kernel / compressed-tensors: 1141 and 1060 MiB against the original's 980
-GGUF_OVERHEAD_B = 90 * MIB          # llama.cpp: 85-94 MiB over F16, Q8_0 and Q4_K_M files (Q4_0's repack: 142)
-# the GPTQModel / llm-compressor child: torch, transformers, the quantizer (gptq_w4: 1581 MiB peak of which the
-# modelled weights, activations and Hessians are about 750)
+# the runtime's own memory beside weights, KV and logits (peak RSS - weights - KV) (docs/plan.md, "The planner's
+# constants and their sources")
+HF_OVERHEAD_B = 450 * MIB           # the original on transformers
+HF_QUANTIZED_EXTRA_B = 160 * MIB    # a GPTQ kernel / compressed-tensors checkpoint beyond the original's
+GGUF_OVERHEAD_B = 90 * MIB          # llama.cpp beside a GGUF file
+# the GPTQModel / llm-compressor child: torch, transformers, the quantizer beyond the modelled weights,
+# activations and Hessians (docs/plan.md, "The planner's constants and their sources")
 QUANTIZER_LIBS_B = 830 * MIB
 CONVERTER_LIBS_B = 300 * MIB        # llama.cpp's converter (torch for the lazy tensors, gguf-py)
 # the pipeline's own process, under a stage that loads a runtime in it: Python, torch, transformers, the tokenizer
-# and the run's data (420-730 MiB at the start of each stage of the 1.24 B run, stage manifests' host_memory);
-# a speed probe or a server is a process of its own, with only its runtime's overhead above
+# and the run's data (docs/plan.md, "The planner's constants and their sources"); a speed probe or a server is a
+# process of its own, with only its runtime's overhead above
 PIPELINE_PROCESS_B = 600 * MIB
-LOADGEN_B = 900 * MIB               # guidellm's process during a load level (1.24 B run: 3,508 MiB of children
-                                    # beside a 2,606 MiB llama-server)
+LOADGEN_B = 900 * MIB               # guidellm's process during a load level (docs/plan.md, as above)
 # reference transcripts: per reply token the top-K ids and log-probs (int32 + float32 each, K = 1024: 8 KB), and
 # the whole distribution (4 bytes x vocabulary) at the share of positions whose tail mass is above the limit
-# (committed run: 911 of 7588 positions, 12 %)
+# (docs/plan.md, "The planner's constants and their sources")
 EXACT_ROW_SHARE = 0.12
 REPACKED = ("Q4_0", "Q4_K", "IQ4_NL")
 EXACT_SAMPLE_TOKENS = 256           # the exactness sample: full rows of two runtimes on one 256-token reply
@@ -151,8 +151,8 @@ class StagePlanner:
 
     def repacked(self, ftype: str) -> int:
         """Bytes llama.cpp's CPU backend copies into interleaved buffers at load (its repack of Q4_0, Q4_K and
-        IQ4_NL matrices for its AVX2/AVX-512 kernels; the embedding, read row by row, is not repacked). In the
-        committed run Q4_0's probe held 52 MiB above the other files' and Q4_K_M's 8 MiB: those tensors' size."""
+        IQ4_NL matrices for its AVX2/AVX-512 kernels; the embedding, read row by row, is not repacked); the
+        measured extra is in docs/plan.md, "The planner's constants and their sources"."""
         return sum(tensor_bytes(t, kind, self.sizes) for t in self.inv.tensors
                    if t.role != "embedding" and (kind := gguf_tensor_type(ftype, t, self.inv, self.sizes)) in REPACKED)
 

@@ -11,12 +11,13 @@ load and generations; what a free-running wall leaves beside them, per decoded t
 (conversion, parity, quantization) by a fixed part and a part that grows with the parameters where a run of another
 size with the same tokenizer on this CPU has it, else by the parameters; the F16 conversion by its recorded phases,
 a GGUF quantization by the weights of each ggml type (these in ``pipeline.measure.one_off_rates``). Every wall is
-scaled by the ratio of memory bandwidths, the one its run recorded over this machine's measured now the same way
-in one to two seconds (the short calibration): from another CPU, and from this one too, whose readings move from
-day to day with its stage times; a model-level stage built in another run than the summary's by that run's
-reading. Prompt tokens read (prefill, teacher-forced scoring) are compute-bound: where the run recorded a compute
-reading, that part is rescaled by the ratio of compute readings instead (``prefill_scale``), and for a GGUF file
-carried from the measured file's ggml types to the planned one's by each type's prompt rate measured here
+scaled by the ratio of memory bandwidths, the one its run recorded over the local machine's measured now the same
+way in one to two seconds (the short calibration): from another CPU, and from the same one too, whose readings move
+between machine states with its stage times (docs/plan.md, "How the prediction is made"); a model-level stage built
+in another run than the summary's by that run's reading. Prompt tokens read (prefill, teacher-forced scoring) are
+compute-bound: where the run recorded a compute reading, that part is rescaled by the ratio of compute readings
+instead (``prefill_scale``), and for a GGUF file carried from the measured file's ggml types to the planned one's by
+each type's prompt rate measured on the local machine
 (``pipeline.measure.prompt_rates``): llama.cpp repacks some types for its CPU matrix products, so a small model's
 K-quant file (mostly fallback types) reads prompts at another speed per weight than a large model's.
 """
@@ -214,8 +215,8 @@ class TimeModel:
     @staticmethod
     def _exactness_cost(rates: dict, work: dict) -> float:
         """A variant's check of its stored KLD against the exact one (stages.score.kld_exactness): its runtime,
-        already loaded, reads each suite's longest transcript once more for full-vocabulary rows. On a 1.24 B
-        model that pass (669 tokens) was 7 of the 21 s of a Q8_0 scoring; on the 135 M demo about 1.5 s a suite."""
+        already loaded, reads each suite's longest transcript once more for full-vocabulary rows (its measured
+        share of a scoring: docs/plan.md, "Scoring reads the longest transcript twice")."""
         return sum(w["context_tokens"] for w in work.values()) * rates["prefill"]
 
     def _rows_cost(self, original_rates: dict | None, work: dict, fill: float) -> float:

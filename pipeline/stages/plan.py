@@ -269,11 +269,11 @@ def _add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = F
         quant_tools = str(tools_dir(cfg.bench.llama_tools))
     except ConfigError:
         quant_tools = ""
-    # this machine's bandwidth, measured at most once for all the runs that need it
+    # the local machine's bandwidth, measured at most once for all the runs that need it
     measure = functools.cache(functools.partial(measured_runs.bandwidth_here, cfg.runtime.n_threads))
     measure_compute = functools.cache(functools.partial(measured_runs.compute_here, cfg.runtime.n_threads))
-    # each ggml type's prompt rate here; none on a GPU (the figures are of llama.cpp's CPU kernels: a run on a GPU
-    # carries prompt work by parameters)
+    # each ggml type's prompt rate on the local machine; none on a GPU (the figures are of llama.cpp's CPU kernels:
+    # a run on a GPU carries prompt work by parameters)
     prompt = None if sp.on_device else functools.partial(prompt_rates.seconds_per_weight,
                                                          threads=cfg.runtime.n_threads, tools=quant_tools)
 
