@@ -182,7 +182,7 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, ti
               f"paths.cache={PROJECT_ROOT / '.cache'}"]
     exe = [sys.executable, "-m", "pipeline.cli"]
     sweep = ["-m", "variant=original,gguf_q8_0"]
-    report = ["report", "run.variants=[original,gguf_q8_0]"]
+    report = ["compare", "run.variants=[original,gguf_q8_0]", "load=off"]
 
     def paths(root):
         return [f"paths.artifacts={root / 'a'}", f"paths.results={root / 'r'}"]
@@ -194,7 +194,7 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, ti
     for args, marker in ((sweep, "convert:f16-gguf: building"), (sweep, "reference:smoke: building"),
                          (sweep, "reference:smoke:logprobs: building"), (sweep, "reference:smoke:exact_rows: building"),
                          (sweep, "evaluate:gguf_q8_0: building"), (sweep, "score:gguf_q8_0: building"),
-                         (report, "speed: trial 2/"), (report, "report: summarising")):
+                         (report, "speed: trial 2/"), (report, "decision: summarising")):
         proc = subprocess.Popen(exe + args + common + paths(killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
         seen = False

@@ -5,6 +5,7 @@ in ``stages_missing`` with why, and its figures are absent."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from pipeline.config.summary_contract import SCHEMA_VERSION
@@ -23,6 +24,8 @@ from pipeline.decide.target import make_target
 from pipeline.stages.variant_job import load_result
 from pipeline.decide.stage_times import run_stages
 from pipeline.infra.stage_cache import hardware, library_versions
+
+log = logging.getLogger(__name__)
 
 
 def build_summary(cfg: Config) -> dict:
@@ -122,6 +125,8 @@ def write_summary(cfg: Config) -> dict:
     """The decision stage: the summary of the run's finished stages, written to summary.json; returns it."""
     from pipeline.infra.files import write_json
 
+    log.info("decision: summarising %d variant(s) into %s", len(cfg.run.variants or [cfg.variant.name]),
+             cfg.results_dir)
     summary = build_summary(cfg)
     cfg.results_dir.mkdir(parents=True, exist_ok=True)
     # in the order it was built (variants in run order, reasons in the decision's order): the report renders the
