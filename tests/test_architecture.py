@@ -50,7 +50,7 @@ def import_graph() -> dict[str, set[str]]:
                     r = resolve(t)
                     if r and r != mod and not (mod.startswith(r + ".") and r == "pipeline"):
                         graph[mod].add(r)
-    from pipeline.config.backends import QUANTIZERS, RUNTIMES, SERVERS
+    from pipeline.infra.backends import QUANTIZERS, RUNTIMES, SERVERS
 
     for package, table in (("pipeline.quantizers", QUANTIZERS), ("pipeline.runtimes", RUNTIMES),
                            ("pipeline.servers", SERVERS)):
@@ -90,12 +90,12 @@ def test_no_import_cycle_among_pipeline_modules():
 
 
 def test_the_tree_reads_like_the_pipeline():
-    """At most 12 entries at the top of the package (the stages in one package, measurement in another, ...), and
-    no module long enough to hold two ideas."""
+    """At most 17 entries at the top of the package (one per layer of tests/test_layers.py, and the package's
+    ``__init__``), and no module long enough to hold two ideas."""
     top = sorted(p.name for p in PIPELINE.iterdir() if p.name != "__pycache__")
-    assert len(top) <= 12, top
+    assert len(top) <= 17, top
     stages = {p.stem for p in (PIPELINE / "stages").glob("*.py")}
-    assert {"prepare", "quantize", "reference", "evaluate", "score", "checks", "speed", "load", "report"} <= stages
+    assert {"prepare", "quantize", "reference", "evaluate", "score", "outcomes", "speed", "load", "report"} <= stages
     long = {str(p.relative_to(PIPELINE)): n for p in PIPELINE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
@@ -109,8 +109,8 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_leaf_modules_import_nothing_from_the_pipeline():
     graph = import_graph()
     for leaf in ("pipeline.infra.errors", "pipeline.config.summary_contract", "pipeline.config.settings",
-                 "pipeline.config.backends", "pipeline.infra.gguf_file", "pipeline.infra.files",
-                 "pipeline.measure.drift", "pipeline.suites.checks"):
+                 "pipeline.infra.backends", "pipeline.infra.gguf_file", "pipeline.infra.files",
+                 "pipeline.figures.drift", "pipeline.suites.checks"):
         assert graph[leaf] <= {"pipeline.infra.errors"}, (leaf, graph[leaf])
 
 
@@ -172,3 +172,11 @@ def test_a_runtime_option_of_another_backend_is_refused():
         compose(["variant=original", "+variant.runtime_options.cache_type_k=q8_0"])
     with pytest.raises(ConfigError, match="variant.runtime_options.cache_type_k"):
         compose(["variant=gguf_q8_0", "+variant.runtime_options.cache_type_k=q9"])
+
+
+def test_the_config_names_exactly_the_benchmark_tasks_defined():
+    """The config validates bench:TASK against ``TASK_NAMES`` (a low layer); the tasks are defined in the suites."""
+    from pipeline.config.bench_tasks import TASK_NAMES
+    from pipeline.suites.lmeval.tasks import TASKS
+
+    assert set(TASK_NAMES) == set(TASKS)

@@ -165,7 +165,7 @@ def test_build_summary_validates_before_returning(tmp_path, monkeypatch):
     monkeypatch.setattr(mod, "variant_summary", lambda r, *a: dict(entries[r["name"]]) if r["status"] == "ok"
                         else dict(entries["awq"]))
     monkeypatch.setattr(mod, "capacity_plan", lambda v, facts, cap, latent=False: {"max_sequences": {}})
-    monkeypatch.setattr("pipeline.measure.bandwidth.load_bandwidth",
+    monkeypatch.setattr("pipeline.instruments.bandwidth.load_bandwidth",
                         lambda cfg: {"bytes_per_s": 1e10, "method": "test"})
     summary = mod.build_summary(cfg)
     assert list(summary["variants"]) == ["original", "q8", "awq"]

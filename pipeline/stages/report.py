@@ -11,7 +11,7 @@ from pipeline.report.html import render_html
 from pipeline.report.markdown import render_markdown
 from pipeline.report.plots import make_plots
 from pipeline.report.summary import build_summary
-from pipeline.stages.variant_job import load_result
+from pipeline.stages.variant_setup import load_result
 from pipeline.infra.files import atomic_write_text, dumps, read_jsonl, write_json
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Speed and memory measured so that a difference can be trusted: interleaved trials across variants.
 
-After the sweep has evaluated every variant, each round measures every variant once (``pipeline.measure.probe``: each
+After the sweep has evaluated every variant, each round measures every variant once (``pipeline.instruments.probe``: each
 label's own process, loaded once for all rounds where memory allows, else a fresh one per trial), in an order
 rotated by one place per round, so that drift of the machine over the run (a
 neighbour's job, thermal state) spreads over all variants instead of landing on whichever ran last. The A/A
@@ -8,7 +8,7 @@ control, the first variant measured a second time each round under another label
 run's own noise floor: the two must come out tied.
 
 Figures per variant: the median over trials with a distribution-free 95 % interval (order statistics); the
-decision compares two variants with a paired sign-flip test over the rounds (``pipeline.measure.stats``). The stage is
+decision compares two variants with a paired sign-flip test over the rounds (``pipeline.figures.stats``). The stage is
 cached by every variant's trial spec and resumes trial by trial.
 """
 
@@ -18,7 +18,7 @@ import logging
 import math
 
 from pipeline.config.schema import Config
-from pipeline.measure.stats import median_interval, paired_ratio
+from pipeline.figures.stats import median_interval, paired_ratio
 from pipeline.infra.stage_cache import Journal, run_stage
 from pipeline.infra.files import dir_bytes, read_json, stable_hash, write_json
 
@@ -83,7 +83,7 @@ class WorkerPool:
     memory reading needs the device to hold that variant alone."""
 
     def __init__(self, cfg: Config, specs: dict[str, dict], labels: list[str]):
-        from pipeline.measure.bandwidth import resolve_device
+        from pipeline.instruments.bandwidth import resolve_device
 
         self.specs, self.labels = specs, labels
         self.enabled = resolve_device(cfg.runtime.device) == "cpu"
@@ -117,7 +117,7 @@ class WorkerPool:
 
     def worker(self, label: str):
         """The label's kept probe (started now if memory allows), or None for a fresh process per trial."""
-        from pipeline.measure.probe import ProbeWorker
+        from pipeline.instruments.probe import ProbeWorker
 
         if not self.enabled or label in self.refused:
             return None
@@ -138,7 +138,7 @@ class WorkerPool:
     def trial(self, label: str, max_cpu_noise: float) -> dict:
         """One trial of ``label`` on its kept probe (or a fresh one), its load peak recorded; a failed probe gives
         ``{"error": ...}`` (the variant is reported without speed, the others go on) and is started afresh next."""
-        from pipeline.measure.probe import run_trial
+        from pipeline.instruments.probe import run_trial
 
         try:
             worker = self.worker(label)
@@ -196,7 +196,7 @@ def speed_protocol() -> dict:
     the A/A floor) are computed when the summary is built, from the trials, never cached."""
     from pipeline.infra.code_version import code_version
 
-    return code_version("pipeline.measure.probe", "pipeline.measure.memory", trial_order, WorkerPool, _control,
+    return code_version("pipeline.instruments.probe", "pipeline.instruments.memory", trial_order, WorkerPool, _control,
                         measure_speed, _extra_rounds, extra_spread)
 
 
@@ -291,7 +291,7 @@ def _extra_rounds(cfg: Config, journal, order: list[list[str]], labels: list[str
     recorded seconds."""
     import time
 
-    from pipeline.decide.speed_control import rounds_needed
+    from pipeline.figures.speed_control import rounds_needed
 
     sp = cfg.profile.speed
     by_runtime: dict[str, list[str]] = {}
