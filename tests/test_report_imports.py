@@ -21,7 +21,8 @@ def test_report_package_has_no_import_cycle_and_keeps_its_layers():
     # cells -> tables -> sections / summary -> plots -> markdown/html -> the stage, never back up
     layer = {"pipeline.report.cells": 0, "pipeline.report.variant_summary": 0, "pipeline.report.tables": 1,
              "pipeline.report.stage_times": 1, "pipeline.report.decision_section": 1, "pipeline.report.bench_section": 1,
-             "pipeline.report.bench_summary": 1, "pipeline.report.summary": 2, "pipeline.report.sections": 2,
+             "pipeline.report.bench_summary": 1, "pipeline.report.calibration_sweep": 1,
+             "pipeline.report.summary": 2, "pipeline.report.sections": 2,
              "pipeline.report.plots": 3, "pipeline.report.markdown": 4, "pipeline.report.html": 4,
              "pipeline.stages.report": 5}
     for mod in report:

@@ -1,6 +1,6 @@
 """The figures of a served-load sweep (pure functions, tested on synthetic sweeps): per concurrency level the
 median over rounds with its interval, the knee, the workload's targets judged on intervals, the operating point and
-throughput_at_slo; the sweep as text."""
+throughput_at_slo. The sweep as text is ``pipeline.stages.load.format_load`` (it names each server)."""
 
 from __future__ import annotations
 
