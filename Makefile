@@ -102,7 +102,7 @@ $(LLAMA_WHEELS)/.built:
 # GGML_BACKEND_DL with GGML_CPU_ALL_VARIANTS, one CPU module per x86 level, ggml loading the best this CPU has
 # (zen4 on an AVX-512 EPYC: 1.1-1.2x decode, 1.2-1.5x prefill over the AVX2 baseline). ggml picks by CPUID alone,
 # so the build then runs the chosen module once and deletes any that dies (SIGILL where a VM advertises AMX or
-# AVX-512 its OS does not grant): `python -m pipeline.infra.prune_cpu`. The pipeline's llama.cpp runtime loads
+# AVX-512 its OS does not grant): `python -m pipeline.commands.prune_cpu`. The pipeline's llama.cpp runtime loads
 # these same libraries (pipeline.infra.llama_tools.use_tool_libraries), so both sides of every cross-check run the same
 # kernels.
 LLAMA_TOOLS ?= $(HOME)/.cache/quantdrift/llama-tools/$(LLAMA_CPP_VERSION)-$(TORCH)-dl-cpu$(CPU_KEY)
@@ -128,7 +128,7 @@ $(LLAMA_TOOLS)/.built: | $(VENV)/.installed
 	cmake --build $(LLAMA_TOOLS)/build -j2 --target $(LLAMA_TOOL_TARGETS) > $(LLAMA_TOOLS)/build.log
 	cp -a $(LLAMA_TOOLS)/build/bin/. $(LLAMA_TOOLS)/bin/
 	rm -rf $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/build
-	$(PY) -m pipeline.infra.prune_cpu $(LLAMA_TOOLS)/bin
+	$(PY) -m pipeline.commands.prune_cpu $(LLAMA_TOOLS)/bin
 	touch $@
 print-llama-tools:
 	@echo $(LLAMA_TOOLS)/bin

@@ -14,15 +14,15 @@ FAMILY_MAKE_ARGS ?= VENV=$(VENV)
 families-vocab: chat-templates
 
 families-build: setup families-vocab
-	$(PY) -m pipeline.infra.families_matrix build $(FAMILIES)
+	$(PY) -m dev.families_matrix build $(FAMILIES)
 
 # one family after another (each run measures speed: never two at once); a family's failure is in its row
 families: compare-deps families-vocab
 	@for f in $(FAMILIES); do \
-	  $(PY) -m pipeline.infra.families_matrix run $$f --variants '$(FAMILY_VARIANTS)' \
+	  $(PY) -m dev.families_matrix run $$f --variants '$(FAMILY_VARIANTS)' \
 	    --make-args '$(FAMILY_MAKE_ARGS)' || exit $$?; \
 	done
-	$(PY) -m pipeline.infra.families_matrix table --out docs/families.md
+	$(PY) -m dev.families_matrix table --out docs/families.md
 
 families-table:
-	$(PY) -m pipeline.infra.families_matrix table --out docs/families.md
+	$(PY) -m dev.families_matrix table --out docs/families.md

@@ -26,7 +26,7 @@ import time
 
 from pipeline.config.schema import PROJECT_ROOT, Config
 from pipeline.infra.errors import ConfigError, Interrupted
-from pipeline.config.compose import register_resolvers
+from pipeline.compose import register_resolvers
 
 log = logging.getLogger("quantdrift")
 
@@ -38,7 +38,7 @@ _exit_code = 0
 
 
 def _evaluate(cfg: Config) -> int:
-    from pipeline.stages.variant_job import evaluate_job
+    from pipeline.commands.variant_job import evaluate_job
 
     result = evaluate_job(cfg)
     log.info("%s: %s%s", result["variant"], result["status"], f" ({result['reason']})" if result.get("reason") else "")
@@ -98,19 +98,19 @@ def _baseline(cfg: Config) -> int:
 
 
 def _corpus(cfg: Config) -> int:
-    from pipeline.measure.corpus_kld import run_corpus
+    from pipeline.commands.corpus import run_corpus
 
     return run_corpus(cfg)
 
 
 def _bench(cfg: Config) -> int:
-    from pipeline.measure.bench import run_bench
+    from pipeline.commands.llama_bench import run_bench
 
     return run_bench(cfg)
 
 
 def _calibration(cfg: Config) -> int:
-    from pipeline.measure.calibration_sweep import run_sweep
+    from pipeline.commands.calibration import run_sweep
 
     sweep = run_sweep(cfg)
     for r in sweep["rows"]:
@@ -138,11 +138,11 @@ def _preflight(cfg: Config) -> int:
 
 def _plan(cfg: Config) -> int:
     if cfg.plan.compare:
-        from pipeline.stages.plan_compare import compare_run
+        from pipeline.plan.compare import compare_run
 
         print(compare_run(cfg))
         return 0
-    from pipeline.stages.plan import run_plan
+    from pipeline.plan.estimate import run_plan
 
     return run_plan(cfg)
 
@@ -164,7 +164,7 @@ COMMANDS = {"evaluate": _evaluate, "compare": _compare, "report": _report, "rede
 def run(cfg: Config) -> int:
     """Run one command on a typed config; returns the exit code. Tests call this directly."""
     from pipeline.infra.offline import configure
-    from pipeline.stages.prepare import classify_source
+    from pipeline.infra.model_source import classify_source
 
     kind, _ = classify_source(cfg.model.source)
     configure(needs_hub=kind == "hub")
@@ -189,7 +189,7 @@ def _translate(argv: list[str]) -> list[str]:
 
 def _task(dcfg) -> None:
     global _exit_code
-    from pipeline.config.compose import from_omegaconf
+    from pipeline.compose import from_omegaconf
 
     try:
         cfg = from_omegaconf(dcfg)

@@ -15,8 +15,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from pipeline.config.schema import PROJECT_ROOT
-from pipeline.config.compose import from_omegaconf, register_resolvers  # noqa: E402
-from pipeline.infra.prune_cpu import embedded_gguf  # noqa: E402
+from pipeline.compose import from_omegaconf, register_resolvers  # noqa: E402
+from pipeline.commands.prune_cpu import embedded_gguf  # noqa: E402
 
 EMBEDDED = embedded_gguf()            # conf/model/smollm2.yaml's packaged GGUF
 
@@ -35,7 +35,7 @@ def compose(overrides: list[str]):
 
 @pytest.fixture(scope="session")
 def embedded_gguf() -> Path:
-    from pipeline.stages.prepare import locate_packaged_file
+    from pipeline.infra.model_source import locate_packaged_file
 
     return locate_packaged_file(EMBEDDED)
 

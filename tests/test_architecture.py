@@ -2,83 +2,37 @@
 outside the backends names a backend, the command table and the published summary schema agree with their
 single sources, and every backend validates its own options when the config loads."""
 
-import ast
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from pipeline.config.schema import PROJECT_ROOT
 from pipeline.infra.errors import ConfigError
 from tests.conftest import compose
+from tests.test_layers import find_cycle, module_graph
 
 PIPELINE = PROJECT_ROOT / "pipeline"
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PROJECT_ROOT).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(parts)
-
-
 def import_graph() -> dict[str, set[str]]:
-    """module -> the pipeline modules it imports anywhere: at module level, inside functions, and under
-    ``if TYPE_CHECKING:`` (an annotation's import is a dependency too: it is what makes a cycle of the code's
-    meaning, whether or not it runs). The packages that load backends by name (importlib: quantizers, runtimes,
-    servers) have an edge to every backend their registry lines name."""
-    modules = {_module_name(p): p for p in PIPELINE.rglob("*.py")}
-    graph: dict[str, set[str]] = {m: set() for m in modules}
+    """module -> the pipeline modules it imports anywhere (``tests.test_layers.module_graph``: at module level, inside
+    functions, under ``if TYPE_CHECKING:``), and the packages that load backends by name (importlib: quantizers,
+    runtimes, servers) with an edge to every backend their registry lines name."""
+    from pipeline.infra.backends import QUANTIZERS, RUNTIMES, SERVERS
+
+    graph = module_graph()
 
     def resolve(name: str) -> str | None:
-        while name and name not in modules:
+        while name and name not in graph:
             name = name.rpartition(".")[0]
         return name or None
-
-    for mod, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                base = node.module
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
-            for t in targets:
-                if t.startswith("pipeline"):
-                    r = resolve(t)
-                    if r and r != mod and not (mod.startswith(r + ".") and r == "pipeline"):
-                        graph[mod].add(r)
-    from pipeline.config.backends import QUANTIZERS, RUNTIMES, SERVERS
 
     for package, table in (("pipeline.quantizers", QUANTIZERS), ("pipeline.runtimes", RUNTIMES),
                            ("pipeline.servers", SERVERS)):
         for backend in table.values():
             graph[package].add(resolve(backend.target.split(":")[0]))
     return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(n: str) -> list[str] | None:
-        state[n] = 1
-        stack.append(n)
-        for m in sorted(graph.get(n, ())):
-            if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
-            if state.get(m) is None and (c := visit(m)):
-                return c
-        stack.pop()
-        state[n] = 2
-        return None
-
-    for n in sorted(graph):
-        if state.get(n) is None and (c := visit(n)):
-            return c
-    return None
 
 
 def test_no_import_cycle_among_pipeline_modules():
@@ -90,27 +44,22 @@ def test_no_import_cycle_among_pipeline_modules():
 
 
 def test_the_tree_reads_like_the_pipeline():
-    """At most 16 entries at the top of the package (one package per layer), the stages in one package, and no
-    module long enough to hold two ideas."""
+    """At most 17 entries at the top of the package (one per layer of tests/test_layers.py, and the package's
+    ``__init__``), and no module long enough to hold two ideas."""
     top = sorted(p.name for p in PIPELINE.iterdir() if p.name != "__pycache__")
-    assert len(top) <= 16, top
+    assert len(top) <= 17, top
     stages = {p.stem for p in (PIPELINE / "stages").glob("*.py")}
-    assert {"prepare", "quantize", "reference", "evaluate", "score", "checks", "speed", "load"} <= stages
+    assert {"prepare", "quantize", "reference", "evaluate", "score", "outcomes", "speed", "load"} <= stages
     long = {str(p.relative_to(PIPELINE)): n for p in PIPELINE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
 
 
-def test_the_cycle_finder_finds_a_cycle():
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b"}, "b": set()}) is None
-
-
 def test_leaf_modules_import_nothing_from_the_pipeline():
     graph = import_graph()
     for leaf in ("pipeline.infra.errors", "pipeline.config.summary_contract", "pipeline.config.settings",
-                 "pipeline.config.backends", "pipeline.infra.gguf_file", "pipeline.infra.files",
-                 "pipeline.measure.drift", "pipeline.suites.checks"):
+                 "pipeline.infra.backends", "pipeline.infra.gguf_file", "pipeline.infra.files",
+                 "pipeline.figures.drift", "pipeline.suites.checks"):
         assert graph[leaf] <= {"pipeline.infra.errors"}, (leaf, graph[leaf])
 
 
@@ -172,3 +121,11 @@ def test_a_runtime_option_of_another_backend_is_refused():
         compose(["variant=original", "+variant.runtime_options.cache_type_k=q8_0"])
     with pytest.raises(ConfigError, match="variant.runtime_options.cache_type_k"):
         compose(["variant=gguf_q8_0", "+variant.runtime_options.cache_type_k=q9"])
+
+
+def test_the_config_names_exactly_the_benchmark_tasks_defined():
+    """The config validates bench:TASK against ``TASK_NAMES`` (a low layer); the tasks are defined in the suites."""
+    from pipeline.config.bench_tasks import TASK_NAMES
+    from pipeline.suites.lmeval.tasks import TASKS
+
+    assert set(TASK_NAMES) == set(TASKS)

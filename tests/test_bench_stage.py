@@ -80,8 +80,8 @@ def _stage_manifests(root):
 @pytest.mark.slow
 def test_a_bench_task_runs_on_each_variants_runtime_into_summary_and_report(tiny_cfg, tmp_path, monkeypatch):
     from pipeline.infra.files import read_jsonl
-    from pipeline.stages.bench import bench_dir
-    from pipeline.stages.variant_job import load_result
+    from pipeline.stages.lmeval_tasks import bench_dir
+    from pipeline.stages.variant_setup import load_result
     from pipeline.suites.lmeval.adapter import RuntimeLM
 
     variants = ["original", "gguf_f16"]

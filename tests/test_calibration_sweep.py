@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from pipeline.measure.calibration_sweep import swept_variant, sweep_rows
+from pipeline.commands.calibration import swept_variant, sweep_rows
 from pipeline.cli import run
 from pipeline.infra.errors import ConfigError
-from pipeline.config.compose import load_variant
+from pipeline.compose import load_variant
 from pipeline.report.sections import _calibration_section
 
 

@@ -18,10 +18,10 @@ COMMITTED = PROJECT_ROOT / "results" / "smollm2-135m-instruct" / "quick"
 def _no_measuring(monkeypatch):
     """Every instrument and stage that measures or builds, made to fail the test if it is called."""
     import pipeline.commands.compare as compare
-    import pipeline.measure.bandwidth as bandwidth
+    import pipeline.instruments.bandwidth as bandwidth
     import pipeline.stages.load as load
     import pipeline.stages.speed as speed
-    import pipeline.stages.variant_job as variant_job
+    import pipeline.commands.variant_job as variant_job
 
     def measured(*a, **k):
         raise AssertionError("the report measured something")
@@ -61,7 +61,7 @@ def test_compare_runs_its_stages_in_order_and_the_report_renders_them_without_me
     import pipeline.report.write as write
     import pipeline.stages.preflight as preflight
     import pipeline.stages.speed as speed
-    import pipeline.stages.variant_job as variant_job
+    import pipeline.commands.variant_job as variant_job
 
     order = []
 

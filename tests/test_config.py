@@ -5,7 +5,7 @@ import pytest
 
 from pipeline.config.schema import PROJECT_ROOT
 from pipeline.infra.errors import ConfigError
-from pipeline.config.compose import known_variants, load_variant
+from pipeline.compose import known_variants, load_variant
 from tests.conftest import compose
 
 EXPECTED_VARIANTS = {"original", "gguf_f16", "gguf_q8_0", "gguf_q6_k", "gguf_q5_k_m", "gguf_q4_k_m", "gguf_q4_0"}

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.infra.errors import ConfigError
 from pipeline.config.schema import PROJECT_ROOT
-from pipeline.measure.corpus_kld import chunk_plan, corpus_drift
+from pipeline.commands.corpus import chunk_plan, corpus_drift
 
 
 def test_chunk_plan_matches_llama_perplexity():
@@ -30,7 +30,7 @@ class _Uniformish:
 
     def logprobs(self, ids, positions):
         self.calls.append((list(ids), list(positions)))
-        from pipeline.measure.drift import log_softmax
+        from pipeline.figures.drift import log_softmax
 
         logits = np.zeros((len(positions), 200))
         logits[:, 3] = 2.0 + self.shift
@@ -101,7 +101,7 @@ def test_corpus_agrees_with_llama_perplexity_on_the_same_files(tmp_path, tiny_ll
     from pipeline.stages.prepare import prepare
     from pipeline.stages.quantize import build_artifact
     from pipeline.stages.reference import f16_variant
-    from pipeline.config.compose import load_variant
+    from pipeline.compose import load_variant
     from tests.conftest import compose
 
     text = tmp_path / "notes.txt"

@@ -7,7 +7,7 @@ from pipeline.decide.variant_summary import degenerate, free_running_figures
 from pipeline.decide.recommendation import decide
 from pipeline.config.commands import DecisionConfig
 from pipeline.decide.recommendation import dominator, pareto_front
-from pipeline.measure.stats import bootstrap_ratio, conversation_intervals
+from pipeline.figures.stats import bootstrap_ratio, conversation_intervals
 
 
 def test_bootstrap_resamples_conversations_deterministically():
@@ -100,7 +100,7 @@ def test_decision_presets_compose(preset):
 
 # ------------------------------------------------------------------ intervals, not noise (issue 12)
 
-from pipeline.measure.stats import median_interval, minimum_detectable, paired_ratio, sign_flip_p  # noqa: E402
+from pipeline.figures.stats import median_interval, minimum_detectable, paired_ratio, sign_flip_p  # noqa: E402
 
 
 def test_sign_flip_test_is_exact_and_symmetric():
@@ -282,7 +282,7 @@ def test_the_conversation_interval_holds_its_level_at_sixteen_conversations():
     """16 conversations in two suites, per-conversation mean KLD lognormal (sigma 0.6), 100-500 tokens each: the
     t interval of the ratio estimator covers the true mean near its stated 95 %; the percentile bootstrap over the
     same units covers less (anti-conservative at this size)."""
-    from pipeline.measure.stats import ratio_t_interval
+    from pipeline.figures.stats import ratio_t_interval
 
     rng = np.random.default_rng(7)
     truth = 0.03 * np.exp(0.6 ** 2 / 2)

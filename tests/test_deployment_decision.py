@@ -197,7 +197,7 @@ def test_an_interleaved_sliding_window_model_is_served_with_window_sized_local_l
     from transformers import Gemma2Config
 
     from pipeline.decide.target import kv_bytes_per_token_at
-    from pipeline.stages.prepare import kv_layout
+    from pipeline.figures.kv_layout import kv_layout
 
     cfg = Gemma2Config(num_hidden_layers=26, sliding_window=4096, num_key_value_heads=4, head_dim=256)
     facts = {"layers": 26, "kv_heads": 4, "head_dim": 256, "attention_heads": cfg.num_attention_heads,
@@ -250,7 +250,7 @@ def test_a_pick_that_alone_was_ranked_does_not_claim_to_be_the_only_one_meeting_
 
 
 def test_one_unit_per_stratum_leaves_no_degrees_of_freedom_and_no_point_interval():
-    from pipeline.measure.stats import ratio_t_interval
+    from pipeline.figures.stats import ratio_t_interval
 
     alone = ratio_t_interval([1.0, 2.0, 3.0, 4.0], [10, 10, 10, 10], strata=["a", "b", "c", "d"])
     assert alone["low"] < alone["estimate"] < alone["high"]                 # singletons pooled: df 3

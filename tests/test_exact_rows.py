@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from pipeline.measure import drift as metrics
+from pipeline.figures import drift as metrics
 from pipeline.stages.score import exact_sample, kld_exactness, teacher_forced
 from pipeline.stages.reference import SuiteReference
 from pipeline.runtimes.base import FullLogitsRuntime

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.infra.families import (FAMILIES, HIDDEN, build_config,
+from dev.families import (FAMILIES, HIDDEN, build_config,
                                      reference_cases, template_text, vocab_dir)
 
 CHAT = [{"role": "system", "content": "You answer billing questions for Fernhill Payments."},
@@ -28,7 +28,7 @@ def test_the_scaled_models_have_their_published_shapes(name, base, params):
     import torch
     import transformers
 
-    from pipeline.infra.families import family
+    from dev.families import family
 
     fam = family(name)
     with torch.device("meta"):
@@ -112,7 +112,7 @@ def family_root(tmp_path_factory):
 def test_every_variant_of_every_family_ends_as_the_committed_outcome_table_says(fam, family_root):
     from pipeline.cli import run
     from pipeline.config.schema import PROJECT_ROOT
-    from pipeline.infra.families import build_family
+    from dev.families import build_family
     from tests.conftest import compose
 
     if not reference_cases_present(fam):

@@ -55,7 +55,7 @@ def test_a_phi3_folder_without_tokenizer_model_skips_the_gguf_variants_only(tmp_
     import torch
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    from pipeline.stages.variant_job import load_result
+    from pipeline.stages.variant_setup import load_result
 
     torch.manual_seed(0)
     model = tmp_path / "phi3"

@@ -88,7 +88,7 @@ def test_not_a_gguf_file_is_named(tmp_path):
 @pytest.mark.integration
 @pytest.mark.parametrize("vocab", ["llama-spm", "qwen2"])
 def test_real_vocabulary_files(vocab):
-    from pipeline.infra.families import vocab_dir
+    from pipeline.infra.make_paths import vocab_dir
 
     path = vocab_dir() / f"ggml-vocab-{vocab}.gguf"
     if not path.is_file():

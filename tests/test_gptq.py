@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.measure import drift as metrics
-from pipeline.config.compose import load_variant
+from pipeline.figures import drift as metrics
+from pipeline.compose import load_variant
 from pipeline.quantizers.base import Skip
 from pipeline.quantizers.calibration import calibration_key
 from pipeline.quantizers.gptq import cast_unquantized, choose_group_size

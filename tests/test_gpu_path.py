@@ -32,7 +32,7 @@ def _fake_nvml(processes: dict[int, list], totals: dict[int, int]):
 def test_device_memory_reads_nvml_for_this_process_and_torch_peaks(monkeypatch):
     import torch
 
-    from pipeline.measure.memory import device_memory
+    from pipeline.instruments.memory import device_memory
 
     me = os.getpid()
     fake, calls = _fake_nvml({0: [_Proc(me + 1, 9 * 2**30)], 1: [_Proc(me, 3 * 2**30), _Proc(me + 2, 2**30)]},
@@ -56,7 +56,7 @@ def test_device_memory_reads_nvml_for_this_process_and_torch_peaks(monkeypatch):
 
 
 def test_device_memory_is_none_off_cuda_and_without_nvml(monkeypatch):
-    from pipeline.measure.memory import device_memory, nvml_process_mb
+    from pipeline.instruments.memory import device_memory, nvml_process_mb
 
     assert device_memory("cpu") is None and device_memory(None) is None
     monkeypatch.setitem(sys.modules, "pynvml", None)           # not installed: import fails
@@ -73,7 +73,7 @@ def _variant(rss_mb, device_mb=None, total_mb=None):
 
 
 def test_the_capacity_plan_uses_device_memory_and_the_devices_own_budget_on_a_gpu():
-    from pipeline.measure.capacity import capacity_plan
+    from pipeline.figures.capacity import capacity_plan
     from pipeline.config.commands import CapacityConfig
 
     facts = {"layers": 2, "kv_heads": 1, "head_dim": 250, "params": 1e8}
@@ -170,7 +170,7 @@ def _cfg(tmp_path, model, *extra):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["original", "original+kv_int8"])
 def test_transformers_on_cuda_generates_and_records_device_memory(tmp_path, tiny_llama, variant):
-    from pipeline.measure.memory import device_memory
+    from pipeline.instruments.memory import device_memory
     from pipeline.stages.prepare import prepare
     from pipeline.runtimes import load_runtime
 
@@ -189,7 +189,7 @@ def test_transformers_on_cuda_generates_and_records_device_memory(tmp_path, tiny
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["gguf_f16", "gguf_q8_0+kv_q8_0"])
 def test_llama_cpp_offloads_every_layer_on_cuda(tmp_path, tiny_llama, variant):
-    from pipeline.measure.memory import device_memory
+    from pipeline.instruments.memory import device_memory
     from pipeline.stages.prepare import prepare
     from pipeline.stages.quantize import build_artifact
     from pipeline.runtimes import load_runtime
@@ -211,7 +211,7 @@ def test_llama_cpp_offloads_every_layer_on_cuda(tmp_path, tiny_llama, variant):
 @pytest.mark.gpu
 def test_gptq_runs_on_a_cuda_kernel(tmp_path, tiny_tokenizer_dir):
     pytest.importorskip("gptqmodel")
-    from pipeline.config.compose import load_variant
+    from pipeline.compose import load_variant
     from pipeline.stages.prepare import prepare
     from pipeline.stages.quantize import build_artifact
     from pipeline.runtimes import load_runtime
@@ -234,7 +234,7 @@ def test_gptq_runs_on_a_cuda_kernel(tmp_path, tiny_tokenizer_dir):
 
 @pytest.mark.gpu
 def test_the_bandwidth_figure_is_measured_on_the_device(tmp_path, tiny_llama):
-    from pipeline.measure.bandwidth import run_bandwidth
+    from pipeline.instruments.bandwidth import run_bandwidth
 
     bw = run_bandwidth(_cfg(tmp_path, tiny_llama), "cuda")
     assert bw["bytes_per_s"] > 1e11 and "device-to-device" in bw["method"]

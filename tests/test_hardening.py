@@ -83,7 +83,7 @@ def test_an_architecture_the_converter_does_not_support_skips_gguf_only(tmp_path
     cfg_json["architectures"] = ["QuantdriftTestForCausalLM"]       # transformers loads it by model_type
     (model / "config.json").write_text(json.dumps(cfg_json))
     assert run(_cfg(model, tmp_path, "variant=gguf_q4_0")) == 0
-    from pipeline.stages.variant_job import load_result
+    from pipeline.stages.variant_setup import load_result
 
     result = load_result(_cfg(model, tmp_path, "variant=gguf_q4_0"), "gguf_q4_0")
     assert result["status"] == "skipped" and "converter does not support" in result["reason"]
@@ -153,7 +153,7 @@ def _drift(summary: dict) -> dict:
 
 
 def _probe_workers_left(own, wait_s: float = 10.0) -> set[int]:
-    """Live speed-probe worker processes (``python -m pipeline.measure.probe``) this test started (``own``: the
+    """Live speed-probe worker processes (``python -m pipeline.instruments.probe``) this test started (``own``: the
     ``own_processes`` filter), after giving the kernel's parent-death signal a moment to arrive."""
     import time
 
@@ -161,7 +161,7 @@ def _probe_workers_left(own, wait_s: float = 10.0) -> set[int]:
         pids = []
         for entry in Path("/proc").iterdir():
             try:
-                if entry.name.isdigit() and b"pipeline.measure.probe" in (entry / "cmdline").read_bytes():
+                if entry.name.isdigit() and b"pipeline.instruments.probe" in (entry / "cmdline").read_bytes():
                     pids.append(int(entry.name))
             except OSError:
                 continue

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.config.schema import VariantConfig
-from pipeline.config.compose import load_variant
+from pipeline.compose import load_variant
 from pipeline.stages.evaluate import reuses_reference
 from pipeline.quantizers.base import Artifact
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config.schema import PROJECT_ROOT
-from pipeline.config.compose import load_variant
+from pipeline.compose import load_variant
 from pipeline.infra.errors import ConfigError, Skip
 
 TEXT = ("Order {i} of {n} pallets ships from the Graz warehouse on day {d}; the invoice INV-{i:05d} lists a "

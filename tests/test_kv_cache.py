@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pipeline.measure.capacity import capacity_plan, kv_bytes_per_token_formula
+from pipeline.figures.capacity import capacity_plan, kv_bytes_per_token_formula
 from pipeline.infra.errors import ConfigError
-from pipeline.config.compose import load_variant
+from pipeline.compose import load_variant
 from tests.conftest import compose
 
 SMOL = {"layers": 30, "kv_heads": 3, "head_dim": 64, "params": 134_515_008}
@@ -86,7 +86,7 @@ def test_hf_int8_cache_scores_like_it_decodes(tiny_llama):
     the run's repetition penalty) with that cache exactly; 8-bit drifts less than 4-bit; the cache holds real
     uint8 bytes."""
     from pipeline.config.schema import RuntimeConfig
-    from pipeline.measure.drift import kld_full
+    from pipeline.figures.drift import kld_full
     from pipeline.runtimes.hf import HFRuntime
 
     rc = RuntimeConfig()
@@ -111,7 +111,7 @@ def test_hf_int8_cache_scores_like_it_decodes(tiny_llama):
 def test_an_impossible_cache_is_skipped_with_the_reason(tiny_cfg):
     """The default tiny model has head dim 16; llama.cpp's q8_0 cache needs blocks of 32 along it."""
     from pipeline.cli import run
-    from pipeline.stages.variant_job import load_result
+    from pipeline.stages.variant_setup import load_result
 
     cfg = tiny_cfg("variant=gguf_q8_0", "kv_cache=int8")
     assert run(cfg) == 0

@@ -5,8 +5,8 @@ configs of each family."""
 
 import pytest
 
-from pipeline.measure.capacity import kv_bytes_per_token_formula
-from pipeline.stages.prepare import kv_layout
+from pipeline.figures.capacity import kv_bytes_per_token_formula
+from pipeline.figures.kv_layout import kv_layout
 
 
 def facts(cfg) -> dict:
@@ -126,8 +126,8 @@ def test_an_interleaved_window_model_on_llama_cpp_matches_the_formula_at_its_rep
     import sys
 
     from pipeline.config.schema import PROJECT_ROOT
-    from pipeline.infra import families as F
-    from pipeline.measure.capacity import kv_reported_per_token
+    from dev import families as F
+    from pipeline.figures.capacity import kv_reported_per_token
     from pipeline.runtimes.llamacpp import LlamaCppRuntime
     from tests.conftest import compose
 

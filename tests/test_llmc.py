@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.cli import run
 from pipeline.config.schema import PROJECT_ROOT
-from pipeline.config.compose import load_variant
+from pipeline.compose import load_variant
 from pipeline.quantizers.base import Skip
 from pipeline.quantizers.llmc import WORKER, environment_python
 
@@ -89,7 +89,7 @@ def test_an_llm_compressor_artifact_loads_scores_and_reports_its_producer_in_the
     import torch
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from pipeline.measure import drift as metrics
+    from pipeline.figures import drift as metrics
     from pipeline.quantizers.dequant import dense_state_dict
 
     # a tiny model whose hidden size gives AWQ group 64 (the same group as SmolLM2's)

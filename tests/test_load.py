@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.measure.served_load import judge_level, knee, level_table, levels_within, operating_point
-from pipeline.measure.capacity import sequences_that_fit
+from pipeline.figures.served_load import judge_level, knee, level_table, levels_within, operating_point
+from pipeline.figures.capacity import sequences_that_fit
 
 
 def rows(levels: dict[int, dict]) -> list[dict]:
@@ -195,7 +195,7 @@ def test_guidellm_drives_a_real_llama_server_at_1_2_and_4_and_counts_what_the_se
     demo GGUF: each parsed level completed its requests without errors, every request with the output tokens asked
     for, and the tokens the parsed levels add up to are the tokens the server's own /metrics counted as predicted
     over the run; the server is stopped afterwards."""
-    from pipeline.measure import loadgen
+    from pipeline.instruments import loadgen
     from pipeline.servers.base import pids_of
     from pipeline.servers.llama_server import LlamaServer
 
@@ -291,7 +291,7 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     generator that sends real requests at each level; the original (transformers) is skipped with its reason; the
     summary, report section and plots come out; every server is stopped."""
     from pipeline.servers.base import pids_of
-    from pipeline.measure.served_load import format_load
+    from pipeline.stages.load import format_load
     from pipeline.stages.load import run_load
 
     calls = []
@@ -389,7 +389,7 @@ def test_hf_variants_are_served_by_transformers_serve_and_the_int8_cache_is_skip
     N tokens (the tiny random model would otherwise stop at whatever end-of-sequence it draws); the int8 KV-cache
     variant skipped with the reason (continuous batching keeps a paged cache in the model's dtype); no server left."""
     from pipeline.servers.base import pids_running
-    from pipeline.measure.served_load import format_load
+    from pipeline.stages.load import format_load
     from pipeline.stages.load import run_load
 
     urls = []
@@ -511,7 +511,7 @@ def _fake_popen(work):
 def test_an_engine_that_does_not_fix_the_output_length_fails_the_level_loudly(tmp_path, monkeypatch):
     """A guidellm level whose requests came back with another token count than asked for raises: the engine's
     request fields did not work, and its throughput would not be comparable."""
-    import pipeline.measure.loadgen as loadgen
+    import pipeline.instruments.loadgen as loadgen
 
     report = json.loads((Path(__file__).parent / "data" / "guidellm_0.8.1_concurrent.json").read_text())
     report["benchmarks"] = report["benchmarks"][:1]
@@ -538,7 +538,7 @@ def test_the_levels_the_knee_rule_cannot_stop_run_in_one_guidellm_invocation(tmp
     own after the stop rule and the idle check; each run draws prompts no earlier one used."""
     import copy
 
-    import pipeline.measure.loadgen as loadgen
+    import pipeline.instruments.loadgen as loadgen
 
     recorded = json.loads((Path(__file__).parent / "data" / "guidellm_0.8.1_concurrent.json").read_text())
     calls = []
@@ -589,7 +589,7 @@ def test_guidellm_reports_are_parsed_per_level_in_seconds():
     """A real guidellm 0.8.1 report (llama-server, Q8_0, 1/2/4 streams, 32 output tokens; trimmed)."""
     from pathlib import Path
 
-    from pipeline.measure.loadgen import parse_guidellm
+    from pipeline.instruments.loadgen import parse_guidellm
 
     report = json.loads((Path(__file__).parent / "data" / "guidellm_0.8.1_concurrent.json").read_text())
     rows = parse_guidellm(report)
@@ -610,7 +610,7 @@ def test_guidellm_reports_are_parsed_per_level_in_seconds():
 
 
 def test_llama_bench_and_batched_bench_lines_are_read_as_the_tools_print_them():
-    from pipeline.measure.batched_bench import parse_batched_bench
+    from pipeline.instruments.batched_bench import parse_batched_bench
     from pipeline.infra.llama_tools import parse_llama_bench
 
     bench = ('{"build_commit": "unknown", "model_filename": "model-q8_0.gguf", "n_threads": 2, "n_prompt": 64, '
@@ -629,7 +629,7 @@ def test_a_stored_sweep_is_judged_again_for_another_workload_without_measuring()
     import copy
 
     from pipeline.config.commands import WorkloadConfig
-    from pipeline.measure.served_load import rejudge
+    from pipeline.figures.served_load import rejudge
 
     table = sweep({1: [100] * 3, 2: [160] * 3, 4: [170] * 3}, ttft_p99={1: [2.0] * 3, 2: [3.0] * 3, 4: [6.0] * 3})
     result = {"memory_budget_mb": None, "knee_gain": 0.1, "workload": {},
@@ -648,9 +648,9 @@ def test_the_probe_and_llama_bench_alternate_and_the_ratio_is_the_median_of_per_
     times; a slow spell in one round moves that round's both sides, not the ratio."""
     from types import SimpleNamespace
 
-    import pipeline.measure.bench as bench
+    import pipeline.commands.llama_bench as bench
     import pipeline.infra.llama_tools as llamatools
-    import pipeline.measure.probe as probe
+    import pipeline.instruments.probe as probe
     from tests.conftest import compose
 
     cfg = compose(["bench.rounds=3", f"paths.artifacts={tmp_path}"])
@@ -684,7 +684,7 @@ def test_the_probe_and_llama_bench_alternate_and_the_ratio_is_the_median_of_per_
 
 
 def test_a_round_stops_climbing_after_two_flat_doublings_or_a_level_that_completed_nothing():
-    from pipeline.measure.served_load import past_the_knee
+    from pipeline.figures.served_load import past_the_knee
 
     def r(*tps):
         return [{"concurrency": 2 ** i, "completed": 4, "output_tokens_per_s": t} for i, t in enumerate(tps)]
@@ -712,7 +712,7 @@ def test_levels_a_round_skipped_stay_paired_by_round_in_the_knee():
 
 
 def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_path):
-    import pipeline.measure.loadgen as loadgen
+    import pipeline.instruments.loadgen as loadgen
 
     ran = []
 
@@ -733,7 +733,7 @@ def test_guidellm_runs_stop_when_the_climb_is_past_the_knee(monkeypatch, tmp_pat
     monkeypatch.setattr(loadgen, "guidellm_exe", lambda: Path("guidellm"))
     monkeypatch.setattr(loadgen, "parse_guidellm", lambda rep: [
         {"concurrency": c, "completed": 4, "output_tokens_per_s": flat[c]} for c in rep["c"]])
-    from pipeline.measure.served_load import KNEE_RULE_LEVELS, past_the_knee
+    from pipeline.figures.served_load import KNEE_RULE_LEVELS, past_the_knee
 
     prompts = [f"p{i}" for i in range(loadgen.prompts_needed([1, 2, 4, 8, 16], 4, 2))]
     assert len(prompts) == 4 + 4 + 8 + 16 + 32
@@ -775,8 +775,8 @@ def test_the_served_comparison_orders_server_then_batched_bench_per_round_and_ta
     with why."""
     from types import SimpleNamespace
 
-    import pipeline.measure.batched_bench as batched_bench
-    import pipeline.measure.bench as bench
+    import pipeline.instruments.batched_bench as batched_bench
+    import pipeline.commands.llama_bench as bench
     import pipeline.servers.llama_server as llama_server
     import pipeline.infra.llama_tools as llamatools
     import pipeline.stages.load as load
@@ -842,7 +842,8 @@ def test_levels_and_depths_read_back_from_load_json_print_in_numeric_order(tmp_p
     """load.json comes back with its keys sorted as text (16 before 2, 4096 before 512); the table, the report's
     rows and the plots' lines follow the numbers."""
     from pipeline.config.commands import WorkloadConfig
-    from pipeline.measure.served_load import format_load, rejudge
+    from pipeline.figures.served_load import rejudge
+    from pipeline.stages.load import format_load
     from pipeline.infra.files import read_json, write_json
 
     table = sweep({1: [100] * 3, 2: [150] * 3, 4: [170] * 3, 16: [171] * 3})

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pipeline.measure import drift as metrics
+from pipeline.figures import drift as metrics
 
 
 def _random_logprobs(rng, n, vocab, temperature):

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.config.schema import RuntimeConfig
 from pipeline.infra.errors import ConfigError
-from pipeline.measure.footprint import Inventory, Tensor
+from pipeline.figures.footprint import Inventory, Tensor
 from pipeline.runtimes.placement import (CUDA_CONTEXT_B, GB, Block, Device, hf_layers_per_device, model_blocks,
                                          place, usable_bytes)
 
@@ -185,7 +185,7 @@ def test_runtime_gpus_is_checked():
 
 
 def test_the_plan_refuses_a_run_its_devices_cannot_hold_and_accepts_one_they_can():
-    from pipeline.stages.plan import fit_problems
+    from pipeline.plan.estimate import fit_problems
 
     plan = {"totals": {"disk_bytes": 0, "host_bytes": 0, "device_bytes": 150 * GB, "device_stage": "score q8"},
             "device_blocks": chain(80, 0.9, 1.1, 1.1)}
@@ -215,8 +215,8 @@ def test_llama_server_is_given_the_device_or_the_placement(tmp_path, monkeypatch
 
 
 def test_the_plan_places_the_stage_that_needs_the_most_device_memory():
-    from pipeline.measure.footprint import Footprint
-    from pipeline.stages.plan import device_blocks
+    from pipeline.figures.footprint import Footprint
+    from pipeline.plan.estimate import device_blocks
 
     tensors = [Tensor("model.embed_tokens.weight", (1000, 64))] + [
         Tensor(f"model.layers.{i}.mlp.down_proj.weight", (64, 256)) for i in range(4)] + [

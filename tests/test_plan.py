@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.config.schema import PROJECT_ROOT
 from pipeline.infra.errors import ConfigError
-from pipeline.measure.footprint import gguf_file, ggml_quant_sizes, kv_bytes, packed_bytes
+from pipeline.figures.footprint import gguf_file, ggml_quant_sizes, kv_bytes, packed_bytes
 
 SIZES = None
 
@@ -22,7 +22,7 @@ def sizes():
 
 
 def inventory(config):
-    from pipeline.measure.model_inventory import from_config
+    from pipeline.runtimes.model_inventory import from_config
 
     return from_config(config)
 
@@ -104,7 +104,7 @@ def test_moe_experts_and_router():
 
 def test_embedded_model_gguf_types_match_the_committed_run(embedded_gguf):
     """What llama.cpp really wrote for the demo model (the committed summary's tensor types and file sizes)."""
-    from pipeline.measure.model_inventory import from_gguf
+    from pipeline.runtimes.model_inventory import from_gguf
 
     summary = json.loads((PROJECT_ROOT / "results/smollm2-135m-instruct/quick/summary.json").read_text())
     inv = from_gguf(embedded_gguf)
@@ -124,7 +124,7 @@ def _free(disk: float, memory: float):
 
 def test_a_run_that_does_not_fit_is_refused_before_any_work(tiny_cfg, monkeypatch, tmp_path):
     from pipeline.cli import run
-    from pipeline.stages import plan
+    from pipeline.plan import estimate as plan
 
     cfg = tiny_cfg("variant=original", "runtime.device=cpu")
     monkeypatch.setattr(plan, "machine_free", _free(disk=1e6, memory=64e9))
@@ -147,7 +147,7 @@ def test_plan_command_on_the_tiny_model(tiny_cfg, capsys, monkeypatch):
     """The plan of three variants of the tiny model, judged against free disk and memory given to it (not this
     machine's, which other jobs move): ample fits; a disk that cannot hold the artifacts is refused, naming it."""
     from pipeline.cli import run
-    from pipeline.stages import plan
+    from pipeline.plan import estimate as plan
 
     def free(disk, memory):
         return lambda cfg, on_device: {"disk_bytes": disk, "disk_path": "/injected", "memory_bytes": memory,
@@ -177,8 +177,8 @@ def test_a_load_level_scales_with_the_bytes_up_to_its_time_limit_and_the_levels_
     """The served-load sweep stops a level after load.max_seconds_per_level: a model nine times larger than the
     measured one is not nine times slower once its levels reach that cap, and a sweep with a third of the levels
     (repeats=1 against 3) takes a third of the time."""
-    from pipeline.measure.measured_runs import MeasuredRun
-    from pipeline.measure.stage_rates import PlannedSweep, TimeModel
+    from pipeline.plan.measured_runs import MeasuredRun
+    from pipeline.plan.stage_rates import PlannedSweep, TimeModel
 
     run = MeasuredRun(label="demo", model="m", run="quick", profile="quick", suites=[], params=100, cpu_key="k",
                       cpu="cpu",
@@ -199,8 +199,8 @@ def test_a_load_sweep_is_its_rounds_fixed_part_and_its_requests_prefill_and_deco
     """Where the measured run recorded its levels: a round's time outside its levels is paid once per planned
     round (plus the larger model's longer load), each level's requests at the measured seconds per request, the
     time to first token carried by the prefill ratio and the depth, the rest by the decode ratio."""
-    from pipeline.measure.measured_runs import _read_load_levels
-    from pipeline.measure.stage_rates import PlannedSweep, TimeModel
+    from pipeline.plan.measured_runs import _read_load_levels
+    from pipeline.plan.stage_rates import PlannedSweep, TimeModel
 
     run = _component_run(walls={("load", "*"): 100.0, ("score", "q8"): 50.0})
     lc = {"trials_wall_s": 2 * 20.0 + 16.0 + 24.0, "variants": {"q8": {"status": "ok", "rounds": 2, "depths": {
@@ -226,7 +226,7 @@ def test_plan_compare_counts_what_the_prepare_stage_wrote(tmp_path):
     those (its manifest's files), not the model folder's size."""
     from types import SimpleNamespace
 
-    from pipeline.stages.plan_compare import _prepared_bytes
+    from pipeline.plan.compare import _prepared_bytes
 
     (tmp_path / "original").mkdir()
     (tmp_path / "original" / "manifest.json").write_text(json.dumps({"files": {"facts.json": 4681}}))
@@ -246,8 +246,8 @@ def test_the_plan_counts_every_process_a_stage_holds(tiny_cfg):
     process under every in-process stage (a reused reference too), none under a speed probe, the load generator
     and the driving process beside a server, and the original's exact rows in the first scoring stage with full
     logits only."""
-    from pipeline.measure.stage_plan import LOADGEN_B, PIPELINE_PROCESS_B
-    from pipeline.stages.plan import build_plan
+    from pipeline.plan.stage_plan import LOADGEN_B, PIPELINE_PROCESS_B
+    from pipeline.plan.estimate import build_plan
 
     cfg = tiny_cfg("run.variants=[original,gguf_q8_0,gguf_q4_k_m]", "runtime.device=cpu")
     rows = {(r.stage, r.variant): r for r in build_plan(cfg, with_times=False)["rows"]}
@@ -257,9 +257,9 @@ def test_the_plan_counts_every_process_a_stage_holds(tiny_cfg):
     load = rows[("load", "gguf_q8_0")]
     assert load.parts["load_generator"] == LOADGEN_B and load.parts["pipeline_process"] == PIPELINE_PROCESS_B
     # the first scoring stage with full logits holds the larger of its variant and the original's exact build
-    from pipeline.config.compose import variant_of
-    from pipeline.measure.model_inventory import model_inventory
-    from pipeline.measure.stage_plan import EXACT_SAMPLE_TOKENS, StagePlanner, Workload
+    from pipeline.compose import variant_of
+    from pipeline.runtimes.model_inventory import model_inventory
+    from pipeline.plan.stage_plan import EXACT_SAMPLE_TOKENS, StagePlanner, Workload
 
     from transformers import LlamaConfig
 
@@ -278,7 +278,7 @@ def test_the_plan_counts_every_process_a_stage_holds(tiny_cfg):
 
 
 def _component_run(**over):
-    from pipeline.measure.measured_runs import MeasuredRun
+    from pipeline.plan.measured_runs import MeasuredRun
 
     work = {"s": {"conversations": 2, "reply_tokens": 1000, "prompt_tokens": 3000, "prefill_tokens": 2000,
                   "context_tokens": 1024}}
@@ -297,7 +297,7 @@ def test_a_decoded_token_costs_its_fixed_part_plus_one_read_of_the_weights():
     """20 ms per token measured at 100 MB over 10 GB/s (10 ms of reading): 10 ms are fixed, so a model nine times
     the bytes decodes at 10 + 90 ms a token, not nine times 20; prefill grows with the parameters; loading adds one
     pass over the added bytes."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     tm = TimeModel(run=_component_run(), factor=1.0, basis="", plan_budget={})
     r = tm._rates("q8", 900e6, 900_000_000)
@@ -312,7 +312,7 @@ def test_stage_times_carry_by_their_components():
     """The same model and work plans the measured wall; free-running grows with the reply tokens' decode and the
     prompts' prefill; scoring's vocabulary work is what its wall leaves after reading the tokens, and grows with
     the vocabulary."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     run = _component_run()
     same = TimeModel(run=run, factor=1.0, basis="", plan_budget={"s": 1000}, plan_work=run.work,
@@ -335,8 +335,8 @@ def test_stage_times_carry_by_their_components():
 
 
 def test_the_plan_takes_times_from_the_most_complete_run_and_not_a_prepare_of_another_source():
-    from pipeline.measure.measured_runs import choose_run
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.measured_runs import choose_run
+    from pipeline.plan.stage_rates import TimeModel
 
     full = _component_run(cpu_key="other", label="demo/quick",
                           rates={n: {"prefill": 1.0, "decode": 1.0, "load_s": 0} for n in "abcd"})
@@ -361,7 +361,7 @@ def test_a_one_off_stage_is_a_fixed_part_plus_a_part_that_grows_with_the_paramet
     """A conversion measured at 10 s on a 100 M model and 6 s on a 10 M one (same CPU): 5.6 s fixed + 4.4 s per
     100 M, so 1 B plans 49.6 s, not the 100 s that scaling the larger run by the parameters alone gives; a run on
     another CPU, or of a size under twice apart, is no second size."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     run = _component_run(walls={("convert_f16", "-"): 10.0, ("quantize", "q8"): 4.0})
     small = _component_run(label="tiny/smoke", params=10_000_000,
@@ -386,7 +386,7 @@ def test_the_original_s_exact_rows_are_planned_in_the_scoring_that_builds_them()
     """The first variant compared with the original's exact rows builds them (the original loaded on its runtime,
     its longest transcript read): that cost leaves the measured builder's wall before its work per row is fitted,
     and is added to the planned builder's scoring only."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     run = _component_run()
     run.variants["original"] = {"bytes": 200e6, "kind": "original", "generates": "original"}
@@ -408,7 +408,7 @@ def test_the_original_s_exact_rows_are_planned_in_the_scoring_that_builds_them()
 def test_the_speed_stage_is_each_label_s_start_load_and_probes():
     """Each probe label costs its worker's start (what the measured wall leaves after its labels' loads and
     generations, shared evenly) plus its load and protocol at the planned size; the A/A control counts twice."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     run = _component_run(walls={("speed", "*"): 100.0, ("score", "q8"): 50.0}, speed_round=["q8", "q8#A/A"],
                          speed_protocol={"rounds": 10, "warmup": 1, "repeats": 1, "prompt_tokens": 100,
@@ -425,7 +425,7 @@ def test_the_speed_stage_is_each_label_s_start_load_and_probes():
 def test_runs_of_other_vocabularies_or_cpus_are_no_second_size():
     """The fixed part of a conversion includes reading the tokenizer: a run with another vocabulary size does not
     pair; nor does one whose stage ran on another CPU (its manifest's, not the run's)."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     run = _component_run(walls={("convert_f16", "-"): 10.0})
     other_vocab = _component_run(label="tiny/smoke", params=10_000_000, vocab=128_000,
@@ -443,7 +443,7 @@ def test_runs_of_other_vocabularies_or_cpus_are_no_second_size():
 def test_a_stage_built_inside_another_is_not_counted_twice():
     """The first GGUF quantization builds the F16 conversion inside it: its own seconds are its wall less the
     conversion's; a stage inside one that is itself inside is taken off once; stages side by side keep theirs."""
-    from pipeline.measure.stage_folders import own_seconds
+    from pipeline.infra.stage_folders import own_seconds
 
     spans = {"quantize": (0.0, 53.0), "convert": (1.0, 42.0), "tokenizer": (2.0, 5.0), "parity": (53.5, 100.0)}
     own = own_seconds(spans)
@@ -454,7 +454,7 @@ def test_parity_and_the_conversion_carry_by_their_components():
     """Parity: both runtimes' loads and the parity tokens read by each at the planned size, the rest grown with the
     vocabulary; the conversion: a Python worker's start (the speed stage's) and the rest grown with the
     parameters."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     run = _component_run(walls={("parity", "-"): 20.0, ("convert_f16", "-"): 12.0, ("speed", "*"): 100.0,
                                 ("score", "q8"): 50.0},
@@ -483,7 +483,7 @@ def test_a_run_is_rescaled_by_its_recorded_bandwidth_on_its_own_cpu_too():
     """Machines with one CPU key read different bandwidths (29.7 and 45.3 GB/s two days apart here) and their stage
     times move with it: a run on this CPU is rescaled like one from another; without a recorded bandwidth it is
     used as it is."""
-    from pipeline.measure.measured_runs import calibration_factor
+    from pipeline.plan.measured_runs import calibration_factor
 
     run = _component_run(bandwidth_bytes_per_s=30e9)
     factor, basis = calibration_factor(run, "k", 2, measure=lambda: 45e9)
@@ -494,7 +494,7 @@ def test_a_run_is_rescaled_by_its_recorded_bandwidth_on_its_own_cpu_too():
     assert calibration_factor(bare, "k", 2, measure=lambda: 1 / 0) == \
         (1.0, "measured here (demo/quick, same CPU key k)")
     # a model-level stage built in another run carries that run's reading, not the summary's
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     tm = TimeModel(run=_component_run(bandwidth_bytes_per_s=30e9, wall_bandwidths={("quantize", "q8"): 45e9}),
                    factor=30 / 45, basis="", plan_budget={})
@@ -506,9 +506,9 @@ def test_prompt_work_is_rescaled_by_compute_and_decoding_by_bandwidth():
     """Prefill is compute-bound: on one CPU key llama-bench read 1.28x the prefill and 1.46x the decode of a run two
     days before, whose bandwidth had read 1.53x less. A run with a compute reading has its prompt work rescaled by
     it and the rest by bandwidth; without one (or a compared run without one) all by bandwidth."""
-    from pipeline.measure.bandwidth import measure_compute
-    from pipeline.measure.measured_runs import compute_factor
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.instruments.bandwidth import measure_compute
+    from pipeline.plan.measured_runs import compute_factor
+    from pipeline.plan.stage_rates import TimeModel
 
     run = _component_run(compute_flops_per_s=100e9)
     factor, basis = compute_factor(run, measure=lambda: 125e9)
@@ -532,7 +532,7 @@ def test_prompt_work_is_rescaled_by_compute_and_decoding_by_bandwidth():
 def test_a_scoring_that_checks_its_exactness_reads_the_longest_transcript_again():
     """score.kld_exactness has the variant's runtime read each suite's longest transcript once more: a component of
     its own that grows with that transcript, not with the scored rows (7 of a 1.24 B Q8_0 scoring's 21 s)."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     checked, unchecked = _component_run(exactness={"q8"}), _component_run()
     longer = {"s": {**checked.work["s"], "context_tokens": 3048}}       # 2,024 tokens more at 1 ms each
@@ -547,7 +547,7 @@ def test_a_scoring_that_checks_its_exactness_reads_the_longest_transcript_again(
 def test_the_conversion_carries_by_its_recorded_phases():
     """The converter's start and exit (and what the stage adds around it) as they are, its vocabulary work with
     the vocabulary, its tensors with the parameters."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
     from pipeline.quantizers.gguf_convert import PHASE_MARK, conversion_phases
 
     text = f"INFO:x\n{PHASE_MARK} start 102.5\nINFO:y\n{PHASE_MARK} vocabulary 103.5\n{PHASE_MARK} tensors 104.0\n"
@@ -563,7 +563,7 @@ def test_the_conversion_carries_by_its_recorded_phases():
 def test_a_gguf_quantization_carries_by_the_weights_of_each_type():
     """llama-quantize's time: each weight at its type's cost per weight here, over the threads, plus the F16 file
     read and the output written at the seconds per byte the measured stage left after its own quantizing."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     run = _component_run(walls={("quantize", "q8"): 3.0},
                          quant_elements={"q8": {"F32": 1000, "Q8_0": 100_000_000}})
@@ -587,7 +587,7 @@ def test_a_gguf_quantization_carries_by_the_weights_of_each_type():
 def test_quantization_costs_per_weight_are_measured_from_llama_cpp_s_own_ggml():
     """ggml_quantize_chunk timed here: a K-quant searches each super-block's scales, several times the cost of
     rounding Q8_0's blocks; unquantized types cost nothing; an unknown type gives no calibration."""
-    from pipeline.measure.quant_rates import seconds_per_weight
+    from pipeline.plan.quant_rates import seconds_per_weight
 
     rates = seconds_per_weight(("F16", "F32", "Q4_K", "Q8_0"))
     assert rates is not None and rates["F16"] == rates["F32"] == 0.0
@@ -600,7 +600,7 @@ def test_a_gguf_file_s_prompt_work_carries_by_its_ggml_types():
     prompts at half the cost per weight of the measured file's plans its prompt tokens at half the time per
     parameter; F32 norm vectors have no matrix product; without either file's types or the measurement, the
     parameters alone."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     run = _component_run(quant_elements={"q8": {"F32": 1000, "Q5_0": 80_000_000, "Q8_0": 20_000_000}})
     rates = {"Q5_0": 8e-12, "Q8_0": 6e-12, "Q4_K": 4e-12, "Q6_K": 3e-12}
@@ -627,7 +627,7 @@ def test_free_running_s_own_cost_per_reply_token_carries_at_any_size():
     """A free-running wall 5 s under its components (load 1 + prompts 2 + 500 replies at the probe's 20 ms = 13 s:
     its loop decodes 10 ms a token faster than the speed probe measured) keeps that difference per reply token
     at ten times the replies, rather than scaling every component by 8/13."""
-    from pipeline.measure.stage_rates import TimeModel
+    from pipeline.plan.stage_rates import TimeModel
 
     run = _component_run(walls={("evaluate", "q8"): 8.0})
     longer = {"s": {**run.work["s"], "reply_tokens": 10_000}}
@@ -639,7 +639,7 @@ def test_free_running_s_own_cost_per_reply_token_carries_at_any_size():
 def test_a_measured_run_s_work_is_counted_with_the_settings_it_recorded(tiny_cfg):
     """A run made with a reply cap on the command line records its workload settings; the plan counts its token
     work with them, not with its profile file's."""
-    from pipeline.stages.plan import measured_work
+    from pipeline.plan.estimate import measured_work
 
     cfg = tiny_cfg()
     run = _component_run(profile="smoke", suites=["smoke"])
@@ -654,7 +654,7 @@ def test_a_run_s_gguf_types_and_workload_are_read_from_its_summary(tmp_path):
     """A finished run's summary carries each GGUF file's weights per ggml type and its workload settings, so a plan
     from it on a clone without its artifacts still carries prompt work by type and counts the work it did; a KV
     variant shares its base's file."""
-    from pipeline.measure.measured_runs import read_run
+    from pipeline.plan.measured_runs import read_run
 
     elements = {"F32": 100, "Q5_0": 1000, "Q8_0": 200}
     ok = {"status": "ok", "runtime": "llamacpp", "memory": {"artifact_bytes": 1e6},
@@ -674,8 +674,8 @@ def test_a_run_s_gguf_types_and_workload_are_read_from_its_summary(tmp_path):
 def test_a_noisy_compute_reading_is_taken_again_and_the_quieter_kept(monkeypatch):
     """As the bandwidth: when other processes took more than a tenth of the machine during the reading, it is
     measured once more and the quieter of the two kept, flagged when still noisy."""
-    import pipeline.measure.probe as probe
-    from pipeline.measure.bandwidth import measure_compute
+    import pipeline.instruments.probe as probe
+    from pipeline.instruments.bandwidth import measure_compute
 
     def shares(values):
         seq = iter(values)

@@ -67,7 +67,7 @@ def test_a_tokenizer_the_converter_does_not_recognise_is_named_once_for_the_gguf
 
 
 def test_make_plan_on_a_local_folder_finds_it_without_preparing_anything(tmp_path, tiny_llama, monkeypatch):
-    from pipeline.stages import plan
+    from pipeline.plan import estimate as plan
 
     monkeypatch.setattr(plan, "machine_free", lambda cfg, on_device: {
         "disk_bytes": 500e9, "disk_path": "/injected", "memory_bytes": 16e9, "memory_source": "injected",

@@ -6,7 +6,8 @@ import pytest
 
 from pipeline.infra.errors import ConfigError
 from pipeline.config.schema import ModelConfig
-from pipeline.stages.prepare import classify_source, prepare
+from pipeline.infra.model_source import classify_source
+from pipeline.stages.prepare import prepare
 
 
 def test_source_kinds(tmp_path, embedded_gguf, tiny_llama):

@@ -8,7 +8,7 @@ from dataclasses import asdict
 import pytest
 
 from pipeline.config.schema import RuntimeConfig
-from pipeline.measure.probe import ProbeWorker, run_trial
+from pipeline.instruments.probe import ProbeWorker, run_trial
 
 
 def _spec(artifact, runtime="hf", **options) -> dict:
@@ -61,7 +61,7 @@ def test_without_a_worker_a_trial_runs_in_a_fresh_process_that_is_gone_after(tin
     trial = run_trial(_spec(tiny_llama), 1.0, "original")
     assert trial["decode_tokens_per_s"] > 0
     time.sleep(0.2)
-    probes = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, "pipeline.measure.probe")]
+    probes = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, "pipeline.instruments.probe")]
     assert own_processes(probes) == set()
 
 
@@ -113,7 +113,7 @@ def test_each_trial_reads_its_own_peak_not_the_process_high_water_mark():
     import numpy as np
 
     from pipeline.infra.stage_memory import reset_peak_rss
-    from pipeline.measure.memory import peak_rss_mb
+    from pipeline.instruments.memory import peak_rss_mb
 
     assert reset_peak_rss(), "this kernel refuses /proc/self/clear_refs"
     big = np.ones(256 * 2**20 // 8)
@@ -136,7 +136,7 @@ class _FakeWorker:
 def test_the_probe_pool_is_sized_from_measured_memory_not_the_estimate(tmp_path, tiny_cfg, monkeypatch):
     """A probe whose measured load peak is twice its estimate makes the pool expect the same of every probe of its
     runtime: with room for two estimated probes but not for two measured ones, the second label runs fresh."""
-    from pipeline.measure import probe
+    from pipeline.instruments import probe
     from pipeline.stages import speed
 
     specs = {}

@@ -24,10 +24,10 @@ def _tools():
 def test_the_synthetic_model_holds_every_matrix_in_the_type_timed(tmp_path):
     """Two Llama blocks whose seven matrices are all the type timed (one that needs an importance matrix too),
     norms in F32, the embedding Q8_0 over the test vocabulary's tokens: a file llama.cpp's loader reads."""
-    from pipeline.infra.families import vocab_dir
+    from pipeline.infra.make_paths import vocab_dir
     from pipeline.infra.gguf_file import read_header
-    from pipeline.measure import prompt_rates
-    from pipeline.measure.quant_rates import ggml_library
+    from pipeline.plan import prompt_rates
+    from pipeline.plan.quant_rates import ggml_library
 
     tools = _tools()
     lib = ggml_library(str(tools) if tools else "")
@@ -50,7 +50,7 @@ def test_prompt_rates_are_measured_with_llama_bench_and_kept(tmp_path, monkeypat
     """Each type's seconds per prompt token per matrix weight from llama-bench on its synthetic model (F32 norm
     vectors left out), kept on disk; asked again, the kept figures serve; a type not kept has the whole set
     measured again, together; without the tools or with an unknown type there is no figure."""
-    from pipeline.measure import prompt_rates
+    from pipeline.plan import prompt_rates
 
     tools = _tools()
     if tools is None:

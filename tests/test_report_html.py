@@ -31,7 +31,7 @@ def _chromium(profile_dir, *args, timeout=120):
 def small_report(tmp_path_factory, tiny_llama):
     """A small real run (original, Q8_0 GGUF, int8 KV) whose Q8_0 replies are then rewritten to carry an injection."""
     from pipeline.config.schema import PROJECT_ROOT
-    from pipeline.stages.variant_job import load_result
+    from pipeline.stages.variant_setup import load_result
     from tests.conftest import compose
 
     root = tmp_path_factory.mktemp("html")

@@ -165,7 +165,7 @@ def test_build_summary_validates_before_returning(tmp_path, monkeypatch):
     monkeypatch.setattr(mod, "variant_summary", lambda r, *a: dict(entries[r["name"]]) if r["status"] == "ok"
                         else dict(entries["awq"]))
     monkeypatch.setattr(mod, "capacity_plan", lambda v, facts, cap, latent=False: {"max_sequences": {}})
-    monkeypatch.setattr("pipeline.measure.bandwidth.load_bandwidth",
+    monkeypatch.setattr("pipeline.instruments.bandwidth.load_bandwidth",
                         lambda cfg: {"bytes_per_s": 1e10, "method": "test"})
     summary = mod.build_summary(cfg)
     assert list(summary["variants"]) == ["original", "q8", "awq"]
@@ -377,7 +377,7 @@ def test_every_number_a_reason_of_the_committed_report_states_is_in_its_tables()
 
 def test_the_speed_protocol_line_names_the_kept_probes_when_memory_held_only_some():
     from pipeline.report.sections import _speed_noise_block
-    from pipeline.stages.speed import WORKERS_KEPT, WORKERS_MIXED
+    from pipeline.figures.speed_trials import WORKERS_KEPT, WORKERS_MIXED
 
     text = " ".join(map(str, _speed_noise_block({"speed_protocol": {"workers": WORKERS_MIXED, "kept_workers": ["a"],
                                                                        "rounds": 3}})))

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from pipeline.measure import drift as metrics
-from pipeline.measure.capacity import kv_bytes_per_token_formula
+from pipeline.figures import drift as metrics
+from pipeline.figures.capacity import kv_bytes_per_token_formula
 from pipeline.config.schema import VariantConfig
 from pipeline.stages.prepare import prepare
 from pipeline.stages.quantize import build_artifact
@@ -217,7 +217,7 @@ def test_conversations_run_batched_as_they_run_one_by_one(built):
 
 
 def test_first_differences_and_agreement_count_positions():
-    from pipeline.measure.batched_bench import agreement, first_differences
+    from pipeline.instruments.batched_bench import agreement, first_differences
 
     single = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
     batched = [[1, 2, 3, 4], [5, 0, 7, 8], [9]]
@@ -228,7 +228,7 @@ def test_first_differences_and_agreement_count_positions():
 def test_batched_table_lists_sequence_counts_in_numeric_order_after_a_json_round_trip():
     import json
 
-    from pipeline.measure.batched_bench import format_batched
+    from pipeline.instruments.batched_bench import format_batched
 
     row = {"ratio": 1.0, "tool_speedup": 1.0, "agreement": 1.0, "agreement_same_history": 1.0, "speedup": 1.0,
            "decode_tokens_per_s": 100.0, "tool_decode_tokens_per_s": 100.0, "deterministic": True}
@@ -245,8 +245,8 @@ def test_batched_table_lists_sequence_counts_in_numeric_order_after_a_json_round
 def test_the_batched_speed_up_ratio_is_judged_on_its_range_across_rounds():
     """The target is met where the range of the per-round ratios lies at or above it, missed where it lies below,
     undecided where it straddles it; the table prints the range and names the undecided counts."""
-    from pipeline.measure.batched_bench import format_batched, ratio_verdict
-    from pipeline.measure.stats import median_interval
+    from pipeline.instruments.batched_bench import format_batched, ratio_verdict
+    from pipeline.figures.stats import median_interval
 
     iv = median_interval([0.80, 0.86, 0.97])
     assert (iv["estimate"], iv["low"], iv["high"]) == (0.86, 0.80, 0.97)
@@ -265,7 +265,7 @@ def test_the_batched_speed_up_ratio_is_judged_on_its_range_across_rounds():
 
 
 def test_llama_batched_bench_output_is_parsed_among_log_lines():
-    from pipeline.measure.batched_bench import parse_batched_bench
+    from pipeline.instruments.batched_bench import parse_batched_bench
 
     text = ("main: n_kv_max = 4096\n"
             '{"n_kv_max": 4096, "n_batch": 512, "pp": 128, "tg": 128, "pl": 4, "n_kv": 1024, "t_pp": 0.5, '
@@ -285,7 +285,7 @@ def test_batched_path_measured_beside_llama_batched_bench(built, kv_unified):
 
     from transformers import AutoTokenizer
 
-    from pipeline.measure.batched_bench import compare_batched, format_batched
+    from pipeline.instruments.batched_bench import compare_batched, format_batched
     from pipeline.config.commands import BenchConfig
     from pipeline.infra.errors import ConfigError
     from pipeline.infra.llama_tools import tool

@@ -107,7 +107,7 @@ def test_the_bench_stage_skips_humaneval_with_the_refusal_and_runs_it_when_allow
     """Where the confinement cannot be set up, bench:humaneval is skipped on every variant with the refusal as its
     reason (nothing model-written runs); bench.allow_unconfined=true runs it; a task that runs no code is never
     held back."""
-    from pipeline.stages import bench
+    from pipeline.stages import lmeval_tasks as bench
 
     monkeypatch.setattr(sandbox, "confinement", lambda: {"confined": False, "argv": [], "processes": None,
                                                          "how": "NOT confined (bwrap missing)"})

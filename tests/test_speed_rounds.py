@@ -12,7 +12,7 @@ from pipeline.stages import speed
 
 def _fake_trials(monkeypatch, noise: float, calls: list, stop_after: int | None = None):
     """Each trial's decode rate: the variant's own rate times e^N(0, noise); the transformers one is slow."""
-    from pipeline.measure import probe
+    from pipeline.instruments import probe
 
     rng = random.Random(7)
     rates = {"hf": 10.0, "q8": 100.0, "q4": 150.0}
@@ -39,7 +39,7 @@ def _cfg(tiny_cfg, *extra):
 
 
 def _detectable(run: dict) -> float:
-    from pipeline.decide.speed_control import judge
+    from pipeline.figures.speed_control import judge
 
     a = [t["decode_tokens_per_s"] for t in run["trials"]["gguf_q4_0"]]
     b = [t["decode_tokens_per_s"] for t in run["trials"]["gguf_q8_0"]]

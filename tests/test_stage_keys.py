@@ -33,14 +33,14 @@ def test_a_module_version_ignores_comments_and_docstrings_and_sees_code_and_cons
 
 
 def test_the_speed_and_load_protocols_change_with_their_code(monkeypatch):
-    import pipeline.measure.loadgen as loadgen
-    import pipeline.measure.probe as probe
+    import pipeline.instruments.loadgen as loadgen
+    import pipeline.instruments.probe as probe
     from pipeline.stages.load import load_protocol
     from pipeline.stages.speed import speed_protocol
     from pipeline.servers.llama_server import LlamaServer
 
     speed, load = speed_protocol(), load_protocol({"a": {"engine": LlamaServer}})
-    assert speed == speed_protocol() and "pipeline.measure.probe" in speed
+    assert speed == speed_protocol() and "pipeline.instruments.probe" in speed
     assert "pipeline.servers.llama_server" in load
     monkeypatch.setattr(probe, "own_cpu_s", lambda: 0.0)
     assert speed_protocol() != speed
@@ -51,8 +51,8 @@ def test_the_speed_and_load_protocols_change_with_their_code(monkeypatch):
 def test_code_version_names_functions_by_their_module(monkeypatch):
     from pipeline.stages.score import kld_exactness
 
-    v = code_version("pipeline.measure.drift", kld_exactness)
-    assert set(v) == {"pipeline.measure.drift", "pipeline.stages.score.kld_exactness"}
+    v = code_version("pipeline.figures.drift", kld_exactness)
+    assert set(v) == {"pipeline.figures.drift", "pipeline.stages.score.kld_exactness"}
 
 
 def _stage_times(root) -> dict[str, tuple[float, str]]:
@@ -71,7 +71,7 @@ def test_a_changed_check_recomputes_its_outcomes_and_nothing_else(tiny_cfg, tmp_
     fingerprint (what the nightly gate compares pass rates under) changes with it."""
     import pipeline.suites.checks as checks
     from pipeline.infra.files import read_jsonl
-    from pipeline.stages.variant_job import evaluate_job
+    from pipeline.commands.variant_job import evaluate_job
 
     cfg = tiny_cfg("variant=gguf_q8_0")
     first = evaluate_job(cfg)

@@ -6,7 +6,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from pipeline.measure import drift as metrics
+from pipeline.figures import drift as metrics
 from pipeline.runtimes.base import BLOCK_BYTES, FullLogitsRuntime, block_rows
 
 

@@ -53,7 +53,7 @@ def evaluate_variants(cfg: Config) -> int:
     """Each variant's job, one after another in this process (as Hydra's basic launcher runs a multirun), each on
     the config its own `quantdrift variant=NAME` would compose with this command's overrides. A variant that fails
     leaves its result file and the others go on; returns 0, 2 (a variant's configuration was refused) or 3."""
-    from pipeline.stages.variant_job import evaluate_job
+    from pipeline.commands.variant_job import evaluate_job
 
     code = 0
     for name in cfg.run.variants:
@@ -73,7 +73,7 @@ def variant_config(cfg: Config, name: str) -> Config:
     """The config of variant ``name``'s job: inside a Hydra job, composed from conf/ with this command's own
     overrides (so ``kv_cache=…`` or ``variant.…=`` apply to each variant as they do in a multirun); called directly
     (tests), ``cfg`` with that variant."""
-    from pipeline.config.compose import from_omegaconf, variant_of
+    from pipeline.compose import from_omegaconf, variant_of
 
     overrides = _task_overrides()
     if overrides is None:
@@ -99,9 +99,9 @@ def _task_overrides() -> list[str] | None:
 def measure_speed_stage(cfg: Config) -> dict | None:
     """The run's bandwidth reading (once per run; a variant job takes it before loading a model) and the
     interleaved speed trials of every evaluated variant."""
-    from pipeline.measure.bandwidth import resolve_device, run_bandwidth
+    from pipeline.instruments.bandwidth import resolve_device, run_bandwidth
     from pipeline.stages.speed import measure_speed
-    from pipeline.stages.variant_job import load_result
+    from pipeline.stages.variant_setup import load_result
 
     results = {n: r for n in cfg.run.variants if (r := load_result(cfg, n)) is not None}
     if not any(r.get("status") == "ok" for r in results.values()):
@@ -111,7 +111,7 @@ def measure_speed_stage(cfg: Config) -> dict | None:
 
 
 def load_stage(cfg: Config) -> dict:
-    from pipeline.measure.served_load import format_load
+    from pipeline.stages.load import format_load
     from pipeline.stages.load import run_load
 
     result = run_load(cfg)

@@ -127,7 +127,7 @@ class RegressConfig:
     KEYS = ("rel", "abs", "ratio", "interval", "better")
 
     def __post_init__(self) -> None:
-        from pipeline.config.backends import RUNTIMES
+        from pipeline.infra.backends import RUNTIMES
         from pipeline.config.summary_contract import METRICS
 
         judged = {m.name: m for m in METRICS if m.better}
@@ -197,7 +197,7 @@ class BenchConfig:
 @dataclass
 class CalibrationSweepConfig:
     """`quantdrift calibration` (`make calibration`): each variant quantized again at each calibration sample
-    count and scored teacher-forced on the run's reference (pipeline.measure.calibration_sweep)."""
+    count and scored teacher-forced on the run's reference (pipeline.commands.calibration)."""
 
     variants: list = field(default_factory=lambda: ["gptq_w4", "awq_w4_llmc"])
     samples: list = field(default_factory=lambda: [32, 128, 512])
@@ -261,7 +261,7 @@ class LoadConfig:
         return sorted(set(self.depths) | ({workload_context} if self.include_workload_depth else set()))
 
     def __post_init__(self) -> None:
-        from pipeline.config.backends import SERVERS
+        from pipeline.infra.backends import SERVERS
 
         _positive_int("load.generator_processes", self.generator_processes, allow_none=True)
 

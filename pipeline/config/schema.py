@@ -1,4 +1,4 @@
-"""Typed configuration: Hydra's DictConfig is converted once, at the entry point (``pipeline.config.compose``),
+"""Typed configuration: Hydra's DictConfig is converted once, at the entry point (``pipeline.compose``),
 into these dataclasses. Validation lives in ``__post_init__`` and names the key, the value and what is allowed. The
 sections of the commands beyond a comparison (decision, regress, capacity, corpus, bench, calibration, workload,
 load) are in ``pipeline.config.commands``."""
@@ -16,8 +16,8 @@ from pipeline.config.settings import require as _require
 from pipeline.config.commands import (BenchConfig, CalibrationSweepConfig, CapacityConfig, CorpusConfig, DecisionConfig,
                                       LoadConfig, RegressConfig, WorkloadConfig)
 from pipeline.infra.cpus import usable_cpus
-from pipeline.suites.lmeval.tasks import TASKS as BENCH_TASKS
-from pipeline.suites.lmeval.tasks import unknown_task_message
+from pipeline.config.bench_tasks import TASK_NAMES as BENCH_TASKS
+from pipeline.config.bench_tasks import unknown_task_message
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,7 @@ class VariantConfig:
         if not self.base:
             self.base = self.name.split("+", 1)[0]
         # the quantizer, the runtime and their options are validated by the backends themselves when the config is
-        # composed (pipeline.config.compose.validate_variant): the schema imports no backend
+        # composed (pipeline.compose.validate_variant): the schema imports no backend
 
 
 @dataclass
@@ -143,7 +143,7 @@ class SpeedConfig:
     extra_max_minutes: float = 10.0
 
     def __post_init__(self) -> None:
-        from pipeline.config.backends import RUNTIMES
+        from pipeline.infra.backends import RUNTIMES
 
         for key in ("prompt_tokens", "decode_tokens", "repeats", "trials"):
             _positive_int(f"profile.speed.{key}", getattr(self, key))
@@ -291,7 +291,7 @@ class PathsConfig:
 
 @dataclass
 class PlanConfig:
-    """`quantdrift plan` and the check every run makes before any work (pipeline.stages.plan); the headroom kept
+    """`quantdrift plan` and the check every run makes before any work (pipeline.plan.estimate); the headroom kept
     free is capacity.headroom."""
 
     check: bool = True        # refuse a run whose disk or memory does not fit this machine (false: run anyway)
@@ -311,7 +311,7 @@ BENCH_PREFIX = "bench:"
 @dataclass
 class RunSection:
     name: str = ""                         # results/<model>/<run>; defaults to the profile name
-    # Conversation suites by name, and benchmark tasks as bench:TASK (pipeline.suites.lmeval.tasks). The bench
+    # Conversation suites by name, and benchmark tasks as bench:TASK (pipeline.config.bench_tasks). The bench
     # entries are moved into ``bench_tasks`` when the config loads: ``suites`` then names the conversation suites
     # alone, which the reference, evaluate, scoring and checks stages run.
     suites: list[str] = field(default_factory=lambda: ["long_output", "multi_turn"])

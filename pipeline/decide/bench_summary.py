@@ -2,14 +2,14 @@
 lm-eval's version), the sample limit and the decoding; per variant, the task's metrics, its accuracy with a 95 %
 bootstrap interval and, against the original's answers to the same samples, recovery (accuracy ÷ the original's)
 with its paired interval, the flips each way, the exact McNemar p-value and its family-wise adjusted value over the
-task's variants (``pipeline.suites.lmeval.flips``). Read from the bench stages' rows (``pipeline.stages.bench``)."""
+task's variants (``pipeline.suites.lmeval.flips``). Read from the bench stages' rows (``pipeline.stages.lmeval_tasks``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from pipeline.infra.files import read_json, read_jsonl
-from pipeline.measure.stats import NO_SIGNAL_PASS_RATE
+from pipeline.figures.stats import NO_SIGNAL_PASS_RATE
 from pipeline.suites.lmeval import flips
 from pipeline.suites.lmeval.tasks import get_task
 

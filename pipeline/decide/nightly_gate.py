@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pipeline.config import summary_contract as catalogue
 from pipeline.config.schema import PROJECT_ROOT, Config
-from pipeline.decide import speed_control
+from pipeline.figures import speed_control
 from pipeline.infra.errors import ConfigError
 from pipeline.infra.files import atomic_write_text, read_json, write_json
 

@@ -127,7 +127,7 @@ def _conversation_klds(v: dict) -> dict[str, float]:
 
 
 def _drift_tests(ok: dict, eligible: list[str], lead: str, values: dict, d: DecisionConfig) -> dict:
-    from pipeline.measure.stats import adjust_p, sign_flip_p
+    from pipeline.figures.stats import adjust_p, sign_flip_p
 
     tests = {}
     base = _conversation_klds(ok[lead])
@@ -157,7 +157,7 @@ def _drift_tests(ok: dict, eligible: list[str], lead: str, values: dict, d: Deci
 
 def _trial_tests(ok: dict, eligible: list[str], lead: str, metric: str, values: dict, d: DecisionConfig,
                  tolerance: float) -> dict:
-    from pipeline.measure.stats import adjust_p, paired_ratio
+    from pipeline.figures.stats import adjust_p, paired_ratio
 
     tests = {}
     for n in eligible[1:]:

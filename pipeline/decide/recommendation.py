@@ -102,7 +102,7 @@ def decide(variants: dict[str, dict], d: DecisionConfig, noise: dict | None = No
     """The recommended variant, the steps of its ranking with every test they ran, the Pareto front over (mean KLD,
     decode tokens/s, peak memory), and for every other variant why it lost: the first constraint it failed (or left
     undecided), else the step that put it behind the best, with the test. ``noise``: the speed stage's A/A result
-    (``pipeline.stages.speed.noise_floor``); ``target``: the deployment target (``pipeline.decide.target``)."""
+    (``pipeline.figures.speed_trials.noise_floor``); ``target``: the deployment target (``pipeline.decide.target``)."""
     from pipeline.decide.target import at_target, latency_statement, where
 
     ok = {n: v for n, v in variants.items() if v["status"] == "ok"}

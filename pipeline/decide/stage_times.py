@@ -9,7 +9,7 @@ from pathlib import Path
 from pipeline.config.schema import Config
 from pipeline.stages.load import completed_sweeps, sweep_stage
 from pipeline.infra.stage_cache import load_manifest
-from pipeline.measure.stage_folders import (evaluation_folders, model_folders, reference_folders, run_folders,
+from pipeline.infra.stage_folders import (evaluation_folders, model_folders, reference_folders, run_folders,
                                             stage_folders, wall_of)
 from pipeline.infra.files import read_json
 

@@ -9,19 +9,19 @@ import logging
 import time
 
 from pipeline.config.summary_contract import SCHEMA_VERSION
-from pipeline.measure.capacity import capacity_plan
-from pipeline.measure.measured_runs import WORKLOAD_KEYS
+from pipeline.figures.capacity import capacity_plan
+from pipeline.plan.measured_runs import WORKLOAD_KEYS
 from pipeline.decide.bench_summary import attach_benchmarks
 from pipeline.decide.variant_summary import imatrix_effects, variant_summary
 from pipeline.runtimes import runtime_class
-from pipeline.measure.calibration_sweep import load_sweep
+from pipeline.decide.calibration_sweep import load_sweep
 from pipeline.stages.load import attach_load
 from pipeline.stages.load import load_sweep as load_load
 from pipeline.config.summary_contract import DECODING_KEYS, validate_summary
 from pipeline.config.schema import Config
 from pipeline.decide.recommendation import decide
 from pipeline.decide.target import make_target
-from pipeline.stages.variant_job import load_result
+from pipeline.stages.variant_setup import load_result
 from pipeline.decide.stage_times import run_stages
 from pipeline.infra.stage_cache import hardware, library_versions
 
@@ -34,8 +34,9 @@ def build_summary(cfg: Config) -> dict:
     for name in names:
         r = load_result(cfg, name)
         results[name] = r or {"status": "skipped", "reason": "not evaluated in this run (no result file)"}
-    from pipeline.measure.bandwidth import load_bandwidth
-    from pipeline.stages.speed import WORKERS_FRESH, finished_speed, noise_floor
+    from pipeline.instruments.bandwidth import load_bandwidth
+    from pipeline.figures.speed_trials import WORKERS_FRESH, noise_floor
+    from pipeline.stages.speed import finished_speed
 
     missing = {}
     bandwidth = load_bandwidth(cfg)
@@ -72,7 +73,7 @@ def build_summary(cfg: Config) -> dict:
                 "bench_tasks": cfg.run.bench_tasks, "bench_limit": cfg.profile.bench_limit,
                 "bench_limits": {t: cfg.profile.bench_limit_for(t) for t in cfg.run.bench_tasks},
                 # the profile keys that set its token counts as it ran (overrides included): what a plan from this
-                # run takes its work to have been (stages.plan.measured_work)
+                # run takes its work to have been (plan.estimate.measured_work)
                 "workload": {k: getattr(cfg.profile, k) for k in WORKLOAD_KEYS}},
         "model": {"name": cfg.model.name, "source": cfg.model.source, "origin": origin,
                   **{k: v for k, v in facts.items() if k != "chat_template"}},
@@ -163,7 +164,7 @@ def adjust_flip_tests(variants: dict, method: str) -> None:
     """Each variant's exact McNemar p-value of its flips against the original, adjusted across the run's variants
     (the original itself, the reference, is not tested), beside the raw one: ``free_running.mcnemar_p_adjusted``;
     the same for its flips against the original on its own runtime, where it has them."""
-    from pipeline.measure.stats import adjust_p
+    from pipeline.figures.stats import adjust_p
 
     for v in variants.values():
         if v.get("status") == "ok" and "free_running" in v:

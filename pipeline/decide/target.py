@@ -13,7 +13,7 @@ are printed.
 
 from __future__ import annotations
 
-from pipeline.measure.capacity import runtime_overhead_bytes, sequences_that_fit
+from pipeline.figures.capacity import runtime_overhead_bytes, sequences_that_fit
 
 
 def make_target(workload, decision, headroom: float, hardware: dict | None, facts: dict | None = None,
@@ -41,7 +41,7 @@ def kv_bytes_per_token_at(v: dict, t: dict) -> float | None:
     """The variant's KV bytes per token at the workload's context: its recorded figure, rescaled by the model's
     layout where some layers keep only a window (the ratio of the architecture's per-token bytes at the two
     contexts; the element size and any latent compression cancel)."""
-    from pipeline.measure.capacity import kv_bytes_per_token_formula
+    from pipeline.figures.capacity import kv_bytes_per_token_formula
 
     kv = (v.get("memory") or {}).get("kv_bytes_per_token")
     g = t.get("geometry")

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.measure import drift as metrics
+from pipeline.figures import drift as metrics
 from pipeline.config.summary_contract import SCHEMA_VERSION, section_values
 from pipeline.infra.gguf_file import fallback_tensors
 from pipeline.runtimes import runtime_class
-from pipeline.stages.speed import trial_figures
-from pipeline.measure.stats import (checks_intervals, conversation_intervals, conversation_test,
+from pipeline.figures.speed_trials import trial_figures
+from pipeline.figures.stats import (checks_intervals, conversation_intervals, conversation_test,
                                     minimum_detectable)
 from pipeline.infra.files import read_json, read_jsonl
-from pipeline.measure.capacity import (kv_bytes_per_token_formula, kv_live_tokens, kv_reported_per_token,
+from pipeline.figures.capacity import (kv_bytes_per_token_formula, kv_live_tokens, kv_reported_per_token,
                                        roofline)
 
 __all__ = ["variant_summary", "pooled_exactness", "imatrix_effects"]
@@ -340,7 +340,7 @@ def imatrix_effects(variants: dict, seed: int = 0) -> list[dict]:
     change in mean KLD, importance matrix minus plain, paired over the same reference conversations (the same
     token positions), with its 95 % bootstrap interval (conversations resampled) and a sign-flip test on the
     per-conversation differences; significant when the interval excludes 0."""
-    from pipeline.measure.stats import ALPHA, bootstrap_ratio, sign_flip_p
+    from pipeline.figures.stats import ALPHA, bootstrap_ratio, sign_flip_p
 
     by_type: dict[str, dict[str, tuple[str, dict]]] = {}
     for name, v in variants.items():

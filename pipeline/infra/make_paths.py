@@ -17,3 +17,12 @@ def make_print(target: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else ""
+
+
+def vocab_dir(cache_dir: Path | None = None) -> Path:
+    """llama.cpp's vocab files and chat templates as `make chat-templates` unpacks them (the version
+    llama-cpp-python vendors)."""
+    from importlib import metadata
+
+    version = metadata.version("llama-cpp-python")
+    return Path(cache_dir or PROJECT_ROOT / ".cache") / f"llama-cpp-python-{version}" / "models"

@@ -43,7 +43,7 @@ def invocation_start() -> float:
 def library_versions() -> dict[str, str]:
     from importlib import metadata
 
-    from pipeline.config.backends import libraries
+    from pipeline.infra.backends import libraries
 
     out = {"python": platform.python_version()}
     # the pipeline's own numerics, then every backend's, as each backend's registry line declares them

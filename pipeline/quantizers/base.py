@@ -14,7 +14,7 @@ from pipeline.infra.files import dir_bytes
 
 if TYPE_CHECKING:   # annotations only: a backend never imports the config at run time (no import cycle)
     from pipeline.config.schema import Config, VariantConfig
-    from pipeline.stages.prepare import Original
+    from pipeline.infra.model_source import Original
 
 @dataclass
 class Artifact:

@@ -213,7 +213,7 @@ def _worker(spec_path: str) -> None:
     from transformers import AutoTokenizer
 
     from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
-    from pipeline.measure.memory import peak_rss_mb
+    from pipeline.instruments.memory import peak_rss_mb
 
     spec = json.loads(Path(spec_path).read_text())
     s = spec["settings"]

@@ -5,7 +5,7 @@ Read from ``summary["benchmarks"]`` and each variant's ``benchmarks`` rows (``pi
 
 from __future__ import annotations
 
-from pipeline.measure.stats import NO_SIGNAL_PASS_RATE
+from pipeline.figures.stats import NO_SIGNAL_PASS_RATE
 from pipeline.report.cells import _ci, _fmt
 
 

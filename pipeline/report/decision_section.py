@@ -59,7 +59,7 @@ def _aa_table(summary: dict) -> tuple | None:
 
     tolerance = (summary.get("decision_config") or {}).get("tie_tolerance") or 0.0
     rows = []
-    from pipeline.stages.speed import MEMORY_FIGURES, WORKERS_FRESH
+    from pipeline.figures.speed_trials import MEMORY_FIGURES, WORKERS_FRESH
 
     one_process = (summary.get("speed_protocol") or {}).get("workers", WORKERS_FRESH) != WORKERS_FRESH
     for k, x in noise["figures"].items():

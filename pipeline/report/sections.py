@@ -48,7 +48,7 @@ def _run_time_section(summary: dict):
 def _speed_noise_block(summary: dict) -> list:
     noise = summary.get("speed_noise")
     proto = summary.get("speed_protocol") or {}
-    from pipeline.stages.speed import WORKERS_KEPT, WORKERS_MIXED
+    from pipeline.figures.speed_trials import WORKERS_KEPT, WORKERS_MIXED
 
     workers = "a fresh process per trial"
     if proto.get("workers") == WORKERS_KEPT:
@@ -319,7 +319,7 @@ def _load_section(summary: dict) -> tuple | None:
     head = ["variant", "context", "concurrency", "output tok/s", "req/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms",
             "ITL p99 ms", "e2e p99 s", "peak MB", "targets"]
     rows = []
-    from pipeline.measure.served_load import numeric_order
+    from pipeline.figures.served_load import numeric_order
 
     for name, v in ok.items():
         for depth, block in numeric_order(v["depths"]):
@@ -329,7 +329,7 @@ def _load_section(summary: dict) -> tuple | None:
                              iv(f, "ttft_p50_s", ".2f"), iv(f, "ttft_p99_s", ".2f"), iv(f, "itl_p50_s", ".0f", 1e3),
                              iv(f, "itl_p99_s", ".0f", 1e3), iv(f, "e2e_p99_s", ".2f"), _fmt(peak, ".0f"),
                              block["operating_point"]["verdicts"][c]["verdict"]])
-    from pipeline.measure.served_load import advice
+    from pipeline.figures.served_load import advice
 
     lines = []
     for name, v in sorted(ok.items(), key=lambda kv: -(kv[1].get("throughput_at_slo") or -1)):

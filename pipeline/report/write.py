@@ -25,7 +25,7 @@ def _history(cfg: Config) -> list[dict]:
 
 def _samples(cfg: Config, summary: dict) -> list[dict] | None:
     """Every evaluated variant's samples from its evaluation folder; None where none of them is on disk."""
-    from pipeline.stages.variant_job import load_result
+    from pipeline.stages.variant_setup import load_result
 
     samples, found = [], False
     for name, v in summary["variants"].items():
@@ -66,7 +66,7 @@ def write_report(cfg: Config) -> dict:
     from pipeline.decide.summary import write_summary
     from pipeline.infra.errors import ConfigError
     from pipeline.infra.files import read_json
-    from pipeline.stages.variant_job import load_result
+    from pipeline.stages.variant_setup import load_result
 
     names = cfg.run.variants or [cfg.variant.name]
     path = cfg.results_dir / "summary.json"

@@ -1,11 +1,11 @@
 """Runtimes load an artifact and (1) generate a reply with timings, (2) score a token sequence; the interface is
-documented in ``pipeline.runtimes.base`` and the registry lines are in ``pipeline.config.backends``. Modules are
+documented in ``pipeline.runtimes.base`` and the registry lines are in ``pipeline.infra.backends``. Modules are
 imported only when a runtime is loaded, so heavy libraries (torch, llama_cpp) stay out of `import pipeline` and
 --help."""
 
 from __future__ import annotations
 
-from pipeline.config.backends import RUNTIMES
+from pipeline.infra.backends import RUNTIMES
 
 __all__ = ["RUNTIMES", "runtime_class", "load_runtime", "runtime_key", "runtime_code"]
 
@@ -13,7 +13,7 @@ __all__ = ["RUNTIMES", "runtime_class", "load_runtime", "runtime_key", "runtime_
 def runtime_class(name: str):
     import importlib
 
-    from pipeline.config.backends import lookup
+    from pipeline.infra.backends import lookup
 
     module, cls = lookup(RUNTIMES, name, "runtime")
     return getattr(importlib.import_module(module), cls)

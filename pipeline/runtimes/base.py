@@ -312,7 +312,7 @@ class FullLogitsRuntime(Runtime):
 
     def logprob_blocks(self, ids: Sequence[int], positions: Sequence[int]) -> Iterator[np.ndarray]:
         """``logit_blocks`` log-softmax normalised: float64 chunks of at most ``drift.chunk_rows(vocab)`` rows."""
-        from pipeline.measure.drift import logprob_chunks
+        from pipeline.figures.drift import logprob_chunks
 
         return logprob_chunks(self.logit_blocks(ids, positions))
 
@@ -326,7 +326,7 @@ class FullLogitsRuntime(Runtime):
               full_rows: Sequence[int] = (), full_ref: np.ndarray | None = None) -> Scores:
         """One forward pass, streamed: the log-softmax runs a chunk of rows at a time (``drift.score_chunks``),
         so no (positions, vocab) matrix is held whatever the sequence's length."""
-        from pipeline.measure.drift import score_chunks
+        from pipeline.figures.drift import score_chunks
 
         out, argmax, lse, kld = score_chunks(self.logit_blocks(ids, positions), candidates, full_rows, full_ref)
         return Scores(logprobs=out, argmax=argmax, logsumexp=lse, kld_full=kld)

@@ -104,8 +104,8 @@ def _reusable(cached: Sequence[int], prompt: Sequence[int]) -> int:
 def gguf_placement(path: Path, gpus, headroom: float):
     """The placement (pipeline.runtimes.placement) of a GGUF file's tensors on the visible GPUs: the file's
     tensor table at the file's size, without the token embedding (llama.cpp keeps the input layer on the CPU)."""
-    from pipeline.measure.footprint import Inventory
-    from pipeline.measure.model_inventory import gguf_tensors
+    from pipeline.figures.footprint import Inventory
+    from pipeline.runtimes.model_inventory import gguf_tensors
     from pipeline.runtimes.placement import model_blocks, place, visible_devices
 
     inv = Inventory(tensors=gguf_tensors(path), facts={}, source=f"GGUF tensor table of {path.name}")

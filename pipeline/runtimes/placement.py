@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.infra.errors import ConfigError
-from pipeline.measure.footprint import MIB
+from pipeline.figures.footprint import MIB
 
 GB = 1e9
 CUDA_CONTEXT_B = 500 * MIB      # the CUDA context and kernels' workspace on each device a model touches
@@ -200,7 +200,7 @@ def place(blocks: list[Block], devices: list[Device], gpus: int | str = 1, headr
 
 
 def model_blocks(inv, weight_bytes: float, kv_cache_bytes: float = 0.0, logits_bytes: float = 0.0) -> list[Block]:
-    """The chain of blocks of a model described by ``inv`` (pipeline.measure.footprint.Inventory) holding
+    """The chain of blocks of a model described by ``inv`` (pipeline.figures.footprint.Inventory) holding
     ``weight_bytes`` of weights (spread over its tensors in proportion to their elements: a quantized format keeps
     the same share per tensor to within its per-type choices), ``kv_cache_bytes`` (one equal share per layer) and
     ``logits_bytes`` (with the output head). Tensors outside the layers go with the embedding, except the final
@@ -232,8 +232,8 @@ def hf_placement(artifact, dtype: str, gpus, headroom: float, trust_remote_code:
     import json
     from pathlib import Path
 
-    from pipeline.measure.footprint import DTYPE_BYTES
-    from pipeline.measure.model_inventory import from_folder
+    from pipeline.figures.footprint import DTYPE_BYTES
+    from pipeline.runtimes.model_inventory import from_folder
 
     artifact = Path(artifact)
     inv = from_folder(artifact, trust_remote_code)

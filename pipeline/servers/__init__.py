@@ -4,7 +4,7 @@ start, health check and stop they share (pipeline.servers.base) run as a context
 leaves a server running. Load generation (pipeline.stages.load, guidellm) talks to
 the endpoint and knows nothing of the backend.
 
-``pipeline.config.backends.SERVERS`` maps a runtime (variant.runtime) to the engine that serves its artifacts:
+``pipeline.infra.backends.SERVERS`` maps a runtime (variant.runtime) to the engine that serves its artifacts:
 llama.cpp's llama-server for GGUF files, ``transformers serve`` for HF-format checkpoints. An engine that cannot serve
 one variant (an integer KV cache, a format it cannot load) says why in its ``check`` or ``plan``; the variant is
 reported skipped with that reason, never dropped."""
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pipeline.infra.errors import Skip
 
-from pipeline.config.backends import SERVERS
+from pipeline.infra.backends import SERVERS
 
 def engine_class(runtime: str):
     """The engine class serving ``runtime``'s artifacts; Skip, naming the format and the reason, where none does."""

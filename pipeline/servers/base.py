@@ -55,7 +55,7 @@ class ServedEngine:
     name = "engine"
     # Whether the engine may answer a repeated prompt from KV blocks an earlier request left (transformers serve
     # shares them between requests with the same prefix): every request of a trial then needs a prompt of its own,
-    # and the load generator runs one level per invocation (pipeline.measure.loadgen.run_guidellm's ``grouped``).
+    # and the load generator runs one level per invocation (pipeline.instruments.loadgen.run_guidellm's ``grouped``).
     serves_repeats_from_cache = True
 
     def __init__(self, served: Path, *, settings: dict, log_path: Path, startup_timeout_s: float):

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from pipeline.config.schema import Config
 from pipeline.suites.conversation import ChatRenderer, run_conversation
-from pipeline.stages.prepare import Original
+from pipeline.infra.model_source import Original
 from pipeline.suites.records import Conversation, generation_fingerprint
 from pipeline.infra.code_version import code_version
 from pipeline.quantizers.base import Artifact

@@ -1,5 +1,5 @@
 """Stage 4, evaluate one variant: free-running on the same conversations as the reference, its replies kept per
-conversation (resumable). Teacher-forced drift is ``pipeline.stages.score``, check outcomes ``pipeline.stages.checks``,
+conversation (resumable). Teacher-forced drift is ``pipeline.stages.score``, check outcomes ``pipeline.stages.outcomes``,
 speed and memory ``pipeline.stages.speed`` (every variant in interleaved trials)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from pipeline.config.summary_contract import SCHEMA_VERSION
 from pipeline.config.schema import Config
 from pipeline.suites.conversation import ChatRenderer, free_run
-from pipeline.stages.prepare import Original
+from pipeline.infra.model_source import Original
 from pipeline.suites.records import Conversation
 from pipeline.quantizers.base import Artifact
 from pipeline.stages.reference import SuiteReference, context_needed, n_ctx_for

@@ -3,7 +3,7 @@
 Each variant's artifact is served by a real engine with continuous batching (pipeline.servers: llama.cpp's
 ``llama-server`` for GGUF files, ``transformers serve`` for HF-format checkpoints); a variant no engine serves on
 this device, or whose runtime ``load.runtimes`` leaves out, is reported as skipped with the reason.
-guidellm (pipeline.measure.loadgen) drives the engine's OpenAI-compatible endpoint at a list of concurrency levels with
+guidellm (pipeline.instruments.loadgen) drives the engine's OpenAI-compatible endpoint at a list of concurrency levels with
 the suites' own business text as prompts, at each context depth, with a fixed number of output tokens per request.
 
 Trials are interleaved: round r serves every variant once (a fresh server each time), so drift of the machine over
@@ -22,13 +22,14 @@ import logging
 import time
 from pathlib import Path
 
-from pipeline.measure.capacity import sequences_that_fit
+from pipeline.figures.capacity import sequences_that_fit
 from pipeline.infra.errors import ConfigError, Skip
-from pipeline.measure.probe import OtherCpu
+from pipeline.instruments.probe import OtherCpu
 from pipeline.infra.stage_cache import Journal, load_manifest, run_stage
 from pipeline.infra.files import read_json, stable_hash, write_json
-from pipeline.measure.memory import MemorySampler
-from pipeline.measure.served_load import KNEE_RULE_LEVELS, level_table, levels_within, past_the_knee, rejudge
+from pipeline.instruments.memory import MemorySampler
+from pipeline.figures.served_load import (KNEE_RULE_LEVELS, advice, level_table, levels_within, numeric_order,
+                                          past_the_knee, rejudge)
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 def load_prompts(renderer, suites: dict, depth: int, n: int, reserve: int = 48) -> list[str]:
     """``n`` distinct prompts of about ``depth`` tokens once the chat template wraps them: consecutive windows of the
     suites' turns (real business text), each decoded back to text. ``reserve``: tokens left for the template."""
-    from pipeline.stages.variant_job import probe_prompt
+    from pipeline.suites.records import probe_prompt
 
     length = max(16, depth - reserve)
     ids = probe_prompt(renderer, suites, n * length)
@@ -71,9 +72,9 @@ def plan_variant(cfg, name: str, original, depths: list[int], budget_mb: float) 
     concurrency levels the capacity plan lets fit ``budget_mb`` at the deepest of ``depths``, and a hash of what is
     served. Raises Skip or ConfigError with the reason where nothing serves it (its runtime is not in
     ``load.runtimes``, no engine for it, no artifact)."""
-    from pipeline.measure.capacity import kv_bytes_per_token_formula
+    from pipeline.figures.capacity import kv_bytes_per_token_formula
     from pipeline.runtimes import runtime_class
-    from pipeline.config.compose import variant_of
+    from pipeline.compose import variant_of
     from pipeline.servers import engine_class
     from pipeline.stages.quantize import build_artifact
 
@@ -100,15 +101,15 @@ def plan_variant(cfg, name: str, original, depths: list[int], budget_mb: float) 
 
 
 def trial_prompts(plans: dict, lc) -> int:
-    """Prompts per depth so that every request of a trial has its own (pipeline.measure.loadgen.prompts_needed)."""
-    from pipeline.measure.loadgen import prompts_needed
+    """Prompts per depth so that every request of a trial has its own (pipeline.instruments.loadgen.prompts_needed)."""
+    from pipeline.instruments.loadgen import prompts_needed
 
     return max(prompts_needed(p["levels"], lc.min_requests, lc.requests_per_stream) for p in plans.values())
 
 
 def run_load(cfg, generate=None) -> dict:
     """Run (or resume) the sweep over ``cfg.run.variants``; writes ``load.json`` into the run's stage folder and
-    ``cfg.results_dir``; returns it. ``generate``: the load generator (pipeline.measure.loadgen.run_guidellm; tests pass
+    ``cfg.results_dir``; returns it. ``generate``: the load generator (pipeline.instruments.loadgen.run_guidellm; tests pass
     a fake with the same signature)."""
     from pipeline.suites.conversation import ChatRenderer
     from pipeline.stages.prepare import prepare
@@ -116,7 +117,7 @@ def run_load(cfg, generate=None) -> dict:
 
     lc, wl = cfg.load, cfg.workload
     if generate is None:
-        from pipeline.measure.loadgen import run_guidellm as generate, guidellm_version
+        from pipeline.instruments.loadgen import run_guidellm as generate, guidellm_version
         generator = guidellm_version()
     else:
         generator = getattr(generate, "version", "fake")
@@ -197,13 +198,13 @@ def run_load(cfg, generate=None) -> dict:
 
 def load_protocol(plans: dict) -> dict:
     """The version of the code a sweep's trials come from: how a trial serves (``serve_trial``, the memory sampler),
-    how guidellm drives the endpoint (``pipeline.measure.loadgen``) and the engines that served. The figures made of
+    how guidellm drives the endpoint (``pipeline.instruments.loadgen``) and the engines that served. The figures made of
     the trials (level tables, knee, targets) are computed from the stage's trials.json when they are read
     (``sweep_figures``), never cached."""
     from pipeline.infra.code_version import code_version
 
     engines = sorted({p["engine"].__module__ for p in plans.values()})
-    return code_version("pipeline.measure.loadgen", "pipeline.servers.base", *engines, serve_trial, MemorySampler)
+    return code_version("pipeline.instruments.loadgen", "pipeline.servers.base", *engines, serve_trial, MemorySampler)
 
 
 def sweep_figures(stage: Path, wl) -> dict:
@@ -359,3 +360,32 @@ def attach_load(variants: dict, sweep: dict | None) -> None:
                          **{k: lv[k] for k in ("throughput_at_slo", "throughput_at_slo_interval",
                                                "throughput_at_slo_concurrency", "knee_concurrency", "knee_reached",
                                                "recommended_concurrency", "slo_depth")}}
+
+
+def format_load(result: dict) -> str:
+    """The sweep as text: per variant and depth, one line per level; then knee, targets and throughput_at_slo."""
+    from pipeline.servers import describe
+
+    wl = result["workload"]
+    lines = [f"load sweep ({result['profile']}), workload {wl['name']}: {result['output_tokens']} output tokens per "
+             f"request, {result['repeats']} interleaved rounds, generator {result['generator']}"]
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    for name, v in result["variants"].items():
+        if v["status"] != "ok":
+            lines.append(f"{name}: {v['status']}: {v['reason']}")
+            continue
+        lines.append(f"{name} on {v['engine']} ({v.get('setup') or describe(v['engine'], v['settings'])}):")
+        for depth, block in numeric_order(v["depths"]):
+            lines.append(f"  context {depth}: {'conc':>5}{'out tok/s':>11}{'req/s':>7}{'TTFT p50/p99 s':>17}"
+                         f"{'ITL p50/p99 ms':>17}{'e2e p99 s':>11}{'peak MB':>9}  verdict")
+            for c, f in numeric_order(block["levels"]):
+                verdict = block["operating_point"]["verdicts"][c]["verdict"]
+                lines.append(f"  {'':<{9 + len(depth)}}{c:>5}{fmt(f['output_tokens_per_s'], '11.1f')}"
+                             f"{fmt(f['requests_per_s'], '7.2f')}"
+                             f"{fmt(f['ttft_p50_s'], '8.2f')}/{fmt(f['ttft_p99_s'], '<8.2f')}"
+                             f"{fmt(f['itl_p50_s'] and f['itl_p50_s'] * 1e3, '8.0f')}/"
+                             f"{fmt(f['itl_p99_s'] and f['itl_p99_s'] * 1e3, '<8.0f')}"
+                             f"{fmt(f['e2e_p99_s'], '11.2f')}{fmt(f['device_peak_mb'] or f['peak_rss_mb'], '9.0f')}"
+                             f"  {verdict}")
+        lines.append("  " + advice(v))
+    return "\n".join(lines)

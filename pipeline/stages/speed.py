@@ -1,6 +1,6 @@
 """Speed and memory measured so that a difference can be trusted: interleaved trials across variants.
 
-After the sweep has evaluated every variant, each round measures every variant once (``pipeline.measure.probe``: each
+After the sweep has evaluated every variant, each round measures every variant once (``pipeline.instruments.probe``: each
 label's own process, loaded once for all rounds where memory allows, else a fresh one per trial), in an order
 rotated by one place per round, so that drift of the machine over the run (a
 neighbour's job, thermal state) spreads over all variants instead of landing on whichever ran last. The A/A
@@ -8,7 +8,7 @@ control, the first variant measured a second time each round under another label
 run's own noise floor: the two must come out tied.
 
 Figures per variant: the median over trials with a distribution-free 95 % interval (order statistics); the
-decision compares two variants with a paired sign-flip test over the rounds (``pipeline.measure.stats``). The stage is
+decision compares two variants with a paired sign-flip test over the rounds (``pipeline.figures.stats``). The stage is
 cached by every variant's trial spec and resumes trial by trial.
 """
 
@@ -19,23 +19,11 @@ import math
 from pathlib import Path
 
 from pipeline.config.schema import Config
-from pipeline.measure.stats import median_interval, paired_ratio
+from pipeline.figures.speed_trials import AA_SUFFIX, WORKERS_FRESH, WORKERS_KEPT, WORKERS_MIXED
 from pipeline.infra.stage_cache import Journal, run_stage
 from pipeline.infra.files import dir_bytes, read_json, stable_hash, write_json
 
 log = logging.getLogger(__name__)
-
-# the trial figures that get a median and an interval (catalogue metrics of the speed and memory sections)
-TRIAL_FIGURES = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_p50_s", "itl_p99_s", "peak_rss_mb",
-                 "device_peak_mb", "load_peak_rss_mb", "steady_rss_mb")
-AA_SUFFIX = "#A/A"
-# figures a process reads once however many rounds it serves (resident and device memory)
-MEMORY_FIGURES = ("peak_rss_mb", "device_peak_mb", "load_peak_rss_mb", "steady_rss_mb")
-# how the trials were run (trials.json and summary.speed_protocol "workers")
-WORKERS_KEPT = "one per label for the stage"
-WORKERS_FRESH = "one per trial"
-WORKERS_MIXED = "one per label for the stage where memory allowed, else one per trial"
-
 
 def trial_order(names: list[str], control: str | None, rounds: int) -> list[list[str]]:
     """Per round, the labels in measuring order: the variants rotated by one place per round; the control's A/A
@@ -84,7 +72,7 @@ class WorkerPool:
     memory reading needs the device to hold that variant alone."""
 
     def __init__(self, cfg: Config, specs: dict[str, dict], labels: list[str]):
-        from pipeline.measure.bandwidth import resolve_device
+        from pipeline.instruments.bandwidth import resolve_device
 
         self.specs, self.labels = specs, labels
         self.enabled = resolve_device(cfg.runtime.device) == "cpu"
@@ -118,7 +106,7 @@ class WorkerPool:
 
     def worker(self, label: str):
         """The label's kept probe (started now if memory allows), or None for a fresh process per trial."""
-        from pipeline.measure.probe import ProbeWorker
+        from pipeline.instruments.probe import ProbeWorker
 
         if not self.enabled or label in self.refused:
             return None
@@ -139,7 +127,7 @@ class WorkerPool:
     def trial(self, label: str, max_cpu_noise: float) -> dict:
         """One trial of ``label`` on its kept probe (or a fresh one), its load peak recorded; a failed probe gives
         ``{"error": ...}`` (the variant is reported without speed, the others go on) and is started afresh next."""
-        from pipeline.measure.probe import run_trial
+        from pipeline.instruments.probe import run_trial
 
         try:
             worker = self.worker(label)
@@ -197,7 +185,7 @@ def speed_protocol() -> dict:
     the A/A floor) are computed when the summary is built, from the trials, never cached."""
     from pipeline.infra.code_version import code_version
 
-    return code_version("pipeline.measure.probe", "pipeline.measure.memory", *_PROTOCOL_CODE)
+    return code_version("pipeline.instruments.probe", "pipeline.instruments.memory", *_PROTOCOL_CODE)
 
 
 def _stage(cfg: Config, results: dict[str, dict]) -> tuple[dict, Path, dict, list[str]] | None:
@@ -319,7 +307,7 @@ def _extra_rounds(cfg: Config, journal, order: list[list[str]], labels: list[str
     recorded seconds."""
     import time
 
-    from pipeline.decide.speed_control import rounds_needed
+    from pipeline.figures.speed_control import rounds_needed
 
     sp = cfg.profile.speed
     by_runtime: dict[str, list[str]] = {}
@@ -367,58 +355,6 @@ def _extra_rounds(cfg: Config, journal, order: list[list[str]], labels: list[str
         for label in round_labels:
             trials[label].append(journal.get(f"x{r}:{label}"))
         extra_order.append(round_labels)
-
-
-def trial_figures(trials: list[dict] | None) -> dict:
-    """A variant's speed from its trials: medians, 95 % intervals, the per-round values (None for a failed
-    round, so rounds stay paired across variants) and the trials' bookkeeping."""
-    trials = trials or []
-    good = [t for t in trials if "error" not in t]
-    values = {f: [t.get(f) if "error" not in t else None for t in trials] for f in TRIAL_FIGURES}
-    intervals = {f: iv for f in TRIAL_FIGURES if (iv := median_interval([x for x in values[f] if x is not None]))}
-    first = good[0] if good else {}
-    noise = [t["cpu_noise"] for t in good if t.get("cpu_noise") is not None]
-    return {
-        "medians": {f: (intervals[f]["estimate"] if f in intervals else None) for f in TRIAL_FIGURES},
-        "intervals": intervals,
-        "values": values,
-        "trials": len(good),
-        "failed_trials": [t["error"] for t in trials if "error" in t],
-        "noisy_trials": sum(1 for t in good if t.get("noisy")),
-        "cpu_noise": float(sorted(noise)[len(noise) // 2]) if noise else None,
-        "load_s": float(sorted(t["load_s"] for t in good)[len(good) // 2]) if good else None,
-        "prompt_tokens": first.get("prompt_tokens"), "decode_tokens": first.get("decode_tokens"),
-        "repeats": first.get("repeats"), "kv_reported": first.get("kv_reported"),
-        "runtime_info": first.get("runtime_info"),
-        "device_memory": first.get("device_memory"),     # how the device peak was read (None off CUDA)
-    }
-
-
-def noise_floor(run: dict | None, alpha: float = 0.05) -> dict | None:
-    """The A/A comparison: the control against its own second measurement, per figure: the median ratio, its
-    interval, the sign-flip p-value, whether they tie (p >= alpha) and the floor (the interval's largest
-    distance from 1: two variants closer than this are inside this run's noise). Memory measured in one process
-    per label is one reading: its ratio with no test (``single_reading``)."""
-    if not run or not run.get("control"):
-        return None
-    control = run["control"]
-    a = trial_figures(run["trials"].get(control))["values"]
-    b = trial_figures(run["trials"].get(control + AA_SUFFIX))["values"]
-    figures = {}
-    one_process = run.get("workers", WORKERS_FRESH) != WORKERS_FRESH
-    for f in TRIAL_FIGURES:
-        pairs = [(x, y) for x, y in zip(a[f], b[f]) if x is not None and y is not None]
-        test = paired_ratio([y for _, y in pairs], [x for x, _ in pairs])
-        if test and one_process and f in MEMORY_FIGURES:
-            # one process per label for all rounds: its memory is one reading repeated, not a sample of trials;
-            # a p-value over its copies would test nothing
-            figures[f] = {"ratio": test["ratio"], "low": test["ratio"], "high": test["ratio"], "rounds": 1,
-                          "p": None, "tied": None, "floor": abs(test["ratio"] - 1), "single_reading": True}
-        elif test:
-            figures[f] = {**test, "tied": bool(test["p"] >= alpha),
-                          "floor": max(1 - test["low"], test["high"] - 1, abs(test["ratio"] - 1))}
-    return {"control": control, "rounds": run["rounds"], "alpha": alpha, "figures": figures,
-            "test": "paired sign-flip permutation test on log ratios over interleaved rounds"}
 
 
 # the functions and classes whose code the trials' figures come from (speed_protocol), taken as defined here

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.measure import drift as metrics
+from pipeline.figures import drift as metrics
 from pipeline.config.schema import Config
-from pipeline.stages.prepare import Original
+from pipeline.infra.model_source import Original
 from pipeline.quantizers.base import Artifact
 from pipeline.stages.reference import SuiteReference, n_ctx_for
 from pipeline.runtimes import load_runtime

@@ -1,6 +1,6 @@
 """The machine checks of a turn: how a reply passes each check type (``run_check``), and their helpers. Pure
 functions of the check and the reply text; their code version keys the stage that applies them
-(``pipeline.stages.checks``), so a changed check recomputes every outcome and nothing else."""
+(``pipeline.stages.outcomes``), so a changed check recomputes every outcome and nothing else."""
 
 from __future__ import annotations
 

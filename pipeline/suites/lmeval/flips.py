@@ -3,7 +3,7 @@ that equal accuracy hides (correct -> wrong, wrong -> correct) with the exact Mc
 
 Samples are the unit of resampling here (a benchmark's items are independent questions, unlike the checks of one
 conversation); the variant and the original are resampled with the same draw, so recovery's interval is paired.
-The statistics are the pipeline's own: ``measure.stats.bootstrap_ratio`` and ``adjust_p``, ``measure.drift.flips``
+The statistics are the pipeline's own: ``figures.stats.bootstrap_ratio`` and ``adjust_p``, ``figures.drift.flips``
 and ``mcnemar_exact_p``.
 """
 
@@ -13,8 +13,8 @@ from typing import Mapping
 
 import numpy as np
 
-from pipeline.measure import drift
-from pipeline.measure.stats import NO_SIGNAL_PASS_RATE, adjust_p, bootstrap_ratio, interval
+from pipeline.figures import drift
+from pipeline.figures.stats import NO_SIGNAL_PASS_RATE, adjust_p, bootstrap_ratio, interval
 
 
 def _interval(ci: dict | None) -> dict | None:
