@@ -134,9 +134,7 @@ def test_kv_variants_end_to_end_on_both_runtimes(tmp_path, tiny_tokenizer_dir):
                         f"paths.cache={PROJECT_ROOT / '.cache'}", *extra])
 
     variants = ["original", "original+kv_int8", "gguf_q8_0", "gguf_q8_0+kv_q8_0"]
-    for v in variants:
-        assert run(cfg_for(f"variant={v}")) == 0, v
-    cfg = cfg_for("command=report", f"run.variants=[{','.join(variants)}]", "capacity.params_b=7")
+    cfg = cfg_for("command=compare", f"run.variants=[{','.join(variants)}]", "capacity.params_b=7", "load=off")
     assert run(cfg) == 0
     summary = json.loads((cfg.results_dir / "summary.json").read_text())
     vs = summary["variants"]

@@ -41,9 +41,7 @@ def assert_summary_contract(summary, variants, recommends: bool = True):
 @pytest.mark.slow
 def test_tiny_model_end_to_end_and_second_run_recomputes_nothing(tiny_cfg, tmp_path):
     variants = ["original", "gguf_q8_0"]
-    for v in variants:
-        assert run(tiny_cfg(f"variant={v}")) == 0
-    cfg = tiny_cfg("command=report", f"run.variants=[{','.join(variants)}]")
+    cfg = tiny_cfg("command=compare", f"run.variants=[{','.join(variants)}]", "load=off")
     assert run(cfg) == 0
     summary = json.loads((cfg.results_dir / "summary.json").read_text())
     assert_summary_contract(summary, variants, recommends=False)
@@ -85,8 +83,7 @@ def test_tiny_model_end_to_end_and_second_run_recomputes_nothing(tiny_cfg, tmp_p
     evaluation = json.loads((tmp_path / "artifacts" / "tiny" / "runs" / "smoke" / "gguf_q8_0" / "manifest.json").read_text())
     assert evaluation["key"]["schema_version"] == SCHEMA_VERSION
     before = _manifests(tmp_path / "artifacts")
-    for v in variants:
-        assert run(tiny_cfg(f"variant={v}")) == 0
+    assert run(cfg) == 0
     assert _manifests(tmp_path / "artifacts") == before, "an immediate second run must recompute nothing"
 
 

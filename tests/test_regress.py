@@ -212,7 +212,7 @@ def test_cli_regress_exit_codes(tmp_path):
 @pytest.mark.slow
 def test_drift_metrics_are_deterministic(tiny_cfg):
     from pipeline.decide.variant_summary import variant_summary
-    from pipeline.commands.variant_job import load_result
+    from pipeline.stages.variant_setup import load_result
 
     runs = []
     for _ in range(2):

@@ -81,8 +81,12 @@ def variant_config(cfg: Config, name: str) -> Config:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
+    from omegaconf import open_dict
+
     raw = GlobalHydra.instance().hydra.compose_config(  # type: ignore[union-attr]
         "config", overrides + [f"variant={name}", "command=evaluate"], run_mode=RunMode.RUN)
+    with open_dict(raw):
+        del raw["hydra"]          # Hydra's own node (its sweep paths resolve only inside a launched job)
     return from_omegaconf(raw)
 
 
