@@ -111,3 +111,56 @@ def test_a_report_of_a_run_without_its_speed_trials_names_the_stage_instead_of_m
     assert summary["variants"]["gguf_q8_0"]["drift"]["kld_mean"] > 0
     md = (cfg.results_dir / "report.md").read_text()
     assert "Not in this report: speed (the speed trials have not run for this run's variants)" in md
+
+
+def _teacher_forced(tmp_path, kld_per_conversation: list[float]):
+    """A scoring stage's folder whose conversations have these mean KLDs (four positions each)."""
+    from pipeline.infra.files import write_json
+
+    convs = {f"c{i}": {"kld": [k] * 4, "top1": [1] * 4, "nll_variant": [1.0] * 4, "nll_reference": [1.0] * 4}
+             for i, k in enumerate(kld_per_conversation)}
+    write_json(tmp_path / "teacher_forced.json", {"long_output": convs})
+    return {"dir": str(tmp_path)}
+
+
+@pytest.mark.parametrize("klds, limit, screen, variant, screened", [
+    ([0.30, 0.32, 0.35, 0.31, 0.33, 0.34], 0.1, True, "gguf_q4_0", True),     # wholly above: out
+    ([0.02, 0.30, 0.01, 0.25, 0.03, 0.20], 0.1, True, "gguf_q4_0", False),    # straddles: measured on
+    ([0.01, 0.02, 0.01, 0.02, 0.01, 0.02], 0.1, True, "gguf_q4_0", False),    # below
+    ([0.30, 0.32, 0.35, 0.31, 0.33, 0.34], 0.1, False, "gguf_q4_0", False),   # decision.screen=false
+    ([0.30, 0.32, 0.35, 0.31, 0.33, 0.34], None, True, "gguf_q4_0", False),   # no KLD limit
+    ([0.30, 0.32, 0.35, 0.31, 0.33, 0.34], 0.1, True, "original", False),     # the baseline is never screened
+])
+def test_the_screen_takes_out_a_variant_only_when_its_kld_interval_lies_wholly_above_the_limit(
+        tmp_path, klds, limit, screen, variant, screened):
+    from pipeline.commands.variant_job import screen as screen_verdict
+    from tests.conftest import compose
+
+    cfg = compose([f"variant={variant}", f"decision.max_kld_mean={'null' if limit is None else limit}",
+                   f"decision.screen={str(screen).lower()}"])
+    verdict = screen_verdict(cfg, _teacher_forced(tmp_path, klds))
+    assert (verdict is not None) == screened, verdict
+    if screened:
+        assert verdict["kld_mean"]["low"] > limit and verdict["limit"] == limit
+        assert "lies wholly above decision.max_kld_mean=0.1" in verdict["reason"]
+
+
+@pytest.mark.slow
+def test_a_screened_variant_is_scored_then_stops_and_the_decision_names_its_kld(tiny_cfg):
+    """With a KLD limit every quantized file exceeds, the quantized variants are scored and stop there: no
+    free-running stage, no speed trial, listed with their figure in the report; the original is measured in full."""
+    variants = ["original", "gguf_q4_0"]
+    common = ["run.suites=[long_output]", "profile.max_conversations=6", "load=off", "decision.max_kld_mean=0.0"]
+    cfg = tiny_cfg("command=compare", f"run.variants=[{','.join(variants)}]", *common)
+    run(cfg)
+    summary = json.loads((cfg.results_dir / "summary.json").read_text())
+    q4 = summary["variants"]["gguf_q4_0"]
+    assert q4["status"] == "ok" and q4["screened"]["kld_mean"]["low"] > 0, q4.get("screened")
+    assert q4["drift"]["kld_mean"] > 0 and q4["free_running"]["replies"] == 0
+    assert q4["speed"]["decode_tokens_per_s"] is None and q4["speed_trials"]["rounds"] == 0
+    assert not (cfg.model_dir / "runs" / cfg.run.name / "gguf_q4_0").exists(), "free-running ran"
+    orig = summary["variants"]["original"]
+    assert "screened" not in orig and orig["free_running"]["replies"] > 0 and orig["speed"]["decode_tokens_per_s"]
+    assert summary["recommendation"]["reasons"]["gguf_q4_0"].startswith("fails constraint: mean KLD")
+    md = (cfg.results_dir / "report.md").read_text()
+    assert "Screened out after their teacher-forced scoring" in md and "`gguf_q4_0`: mean KLD" in md

@@ -101,6 +101,7 @@ exit 0
     qd = [c for c in calls if c.startswith("quantdrift")]
     assert qd[0].split()[1] == "compare" and "run.variants=[original,gguf_q8_0,awq_w4_llmc]" in qd[0]
     assert "load=short" in qd[0] and "bench.llama_tools=/cache/llama-tools/bin" in qd[0]
+    assert "decision.screen=false" in qd[0]          # the gate compares every variant's every figure
     if expected == 2:
         assert len(qd) == 1 and "comparison failed" in proc.stderr
         return

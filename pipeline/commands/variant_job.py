@@ -1,5 +1,9 @@
-"""One comparison job, top to bottom: prepare -> quantize -> reference -> evaluate -> benchmark tasks (run.suites'
-bench:TASK entries) -> per-variant result.
+"""One comparison job, top to bottom: prepare -> quantize -> reference -> teacher-forced scoring -> (the screen)
+-> free-running -> checks -> benchmark tasks (run.suites' bench:TASK entries) -> per-variant result.
+
+The screen (``decision.screen``): a variant whose mean-KLD 95 % interval, from its teacher-forced scoring, lies
+wholly above ``decision.max_kld_mean`` fails that limit whatever else is measured; its result records the figure and
+it is not run further (no free-running, checks, benchmarks, speed trials or load sweep).
 
 ``evaluate_job(cfg)`` is what one Hydra job runs (one variant). Every stage it calls is cached, so a sweep of
 variants shares the prepared original, the F16 conversion, the parity check and the reference transcripts.
@@ -55,8 +59,15 @@ def evaluate_job(cfg: Config) -> dict:
 
         try:
             artifact = build_artifact(variant, original, cfg)
-            free = evaluate_variant(cfg, original, renderer, artifact, suites, refs, producer)
             scores = score_variant(cfg, original, renderer, artifact, suites, refs)
+            screened = screen(cfg, scores)
+            if screened:
+                log.info("%s screened out: %s", variant.name, screened["reason"])
+                result = {**base, **screened_result(artifact, scores, screened, original, producer, refs, parity,
+                                                    cfg, suites, started)}
+                write_json(result_path(cfg, variant.name), result)
+                return result
+            free = evaluate_variant(cfg, original, renderer, artifact, suites, refs, producer)
             served_suites = deployment_suites(cfg, parity, suites)
             served = (deployment_path(cfg, original, renderer, artifact, suites, served_suites)
                       if served_suites else None)
@@ -117,3 +128,51 @@ def evaluate_job(cfg: Config) -> dict:
                   "traceback": traceback.format_exc(limit=8)}
     write_json(result_path(cfg, variant.name), result)
     return result
+
+
+def screen(cfg: Config, scores: dict) -> dict | None:
+    """The screen's verdict on a scored variant: {"reason", "kld_mean": its interval, "limit"} where the mean-KLD
+    95 % interval (conversations as units, as the summary computes it) lies wholly above ``decision.max_kld_mean``;
+    None where it does not, where screening is off or no KLD limit is set, and for the original (every variant's
+    flips are counted against its replies)."""
+    from pathlib import Path
+
+    from pipeline.figures.stats import conversation_intervals
+    from pipeline.infra.files import read_json
+
+    limit = cfg.decision.max_kld_mean
+    if not cfg.decision.screen or limit is None or cfg.variant.name == "original":    # the original: the baseline
+        return None
+    iv = conversation_intervals(read_json(Path(scores["dir"]) / "teacher_forced.json"), [], cfg.seed).get("kld_mean")
+    if not iv or iv.get("low") is None or not iv["low"] > limit:
+        return None
+    return {"reason": (f"mean KLD {iv['estimate']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}] over {iv['units']} "
+                       f"conversations lies wholly above decision.max_kld_mean={limit:g}: not run further "
+                       "(free-running, checks, speed, load; decision.screen=false measures it)"),
+            "kld_mean": iv, "limit": limit}
+
+
+def screened_result(artifact, scores: dict, screened: dict, original, producer: dict, refs: dict, parity,
+                    cfg: Config, suites: dict, started: float) -> dict:
+    """The result file of a screened variant: ok, with its artifact and scoring, and what screened it."""
+    from pipeline.stages.quantize import bits_per_weight
+    from pipeline.suites.records import checks_fingerprint
+
+    return {
+        "status": "ok",
+        "reason": None,
+        "screened": screened,
+        "artifact": {"path": str(artifact.path), "bytes": artifact.bytes, "hash": artifact.hash, "info": artifact.info,
+                     "bits_per_weight": bits_per_weight(artifact.path, original.facts.get("params"))},
+        "evaluation": {"dir": None, "scores_dir": scores["dir"], "scores_manifest_hash": scores["key_hash"],
+                       "runtime_info": scores.get("runtime_info"), "kld_exactness": scores.get("kld_exactness"),
+                       "exact_rows": scores.get("exact_rows"), "wall_s": scores.get("wall_s") or 0},
+        "deployment": None,
+        "benchmarks": {},
+        "probe": None,
+        "reference": {"producer": producer["name"], "suites": {s: r.hash for s, r in refs.items()}},
+        "checks": {s: checks_fingerprint(convs) for s, convs in suites.items()},
+        "parity": parity,
+        "model": {"name": cfg.model.name, "source": cfg.model.source, "facts": original.facts},
+        "wall_s": time.time() - started,
+    }

@@ -83,8 +83,13 @@ class DecisionConfig:
     min_recovery: float | None = None
     # A reply is flagged degenerate when either limit is crossed; flagged replies are counted per variant.
     degeneration: dict = field(default_factory=lambda: {"max_repeated_4gram_rate": 0.35, "max_loop_tokens": 32})
+    # Measure in the order the decision needs: each variant's teacher-forced drift first; one whose mean-KLD 95 %
+    # interval lies wholly above max_kld_mean fails that limit whatever else is measured, so it skips free-running,
+    # the speed trials and the load sweep (the report lists it with its figure). false: measure every variant.
+    screen: bool = True
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.screen, bool), "decision.screen", self.screen, "true or false")
         _one_of("decision.objective", self.objective,
                 ("decode_speed", "memory", "capacity", "size", "throughput_at_slo"))
         _one_of("decision.confidence", self.confidence, ("point", "upper"))

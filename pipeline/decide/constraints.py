@@ -210,6 +210,9 @@ def judge_constraints(v: dict, d: DecisionConfig, pass_drop: dict | None = None,
         from pipeline.decide.target import target_constraints
 
         out += target_constraints(v, target)
+    if v.get("screened"):     # not measured past its scoring: never shipped, whatever limits a re-decision sets
+        out.append({"constraint": "screen", "verdict": "fail", "violation": float("inf"),
+                    "message": f"screened out at its scoring: {v['screened']['reason']}"})
     return out
 
 

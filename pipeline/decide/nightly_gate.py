@@ -57,7 +57,8 @@ def compare_metric(metric: str, new_v: dict, base_v: dict, tol: dict) -> tuple[b
     if base is None:
         return False, "not in the baseline (not compared)"
     if new is None:
-        return True, f"not measured (baseline {base:.6g})"
+        why = " (screened out by its mean KLD: decision.screen=false measures it)" if new_v.get("screened") else ""
+        return True, f"not measured{why} (baseline {base:.6g})"
     better = m.better
     worse_by = m.worse(new, base)
     if "ratio" in tol:

@@ -231,10 +231,11 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
     if result["status"] != "ok":
         return {"status": result["status"], "reason": result.get("reason"), "runtime": result.get("runtime"),
                 "description": result.get("description")}
-    ev_dir = Path(result["evaluation"]["dir"])
+    # a screened variant (``screened``: its mean KLD failed the limit) has its scoring alone: no samples, no trials
+    ev_dir = Path(result["evaluation"]["dir"]) if result["evaluation"].get("dir") else None
     # teacher-forced scores: their own stage (older results kept them beside the samples)
     tf = read_json(Path(result["evaluation"].get("scores_dir") or ev_dir) / "teacher_forced.json")
-    samples = read_jsonl(ev_dir / "samples.jsonl")
+    samples = read_jsonl(ev_dir / "samples.jsonl") if ev_dir else []
     timing = trial_figures(trials)
     speed = {**timing["medians"], **{k: timing[k] for k in ("prompt_tokens", "decode_tokens", "repeats", "load_s",
                                                            "trials", "noisy_trials", "cpu_noise")}}
@@ -293,8 +294,8 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         "recall": recall,
         "power": minimum_detectable(samples, tf),
         "deployment": deployment_figures(result.get("deployment"), samples,
-                                         read_jsonl(ev_dir / "served.jsonl") if (ev_dir / "served.jsonl").is_file()
-                                         else []),
+                                         read_jsonl(ev_dir / "served.jsonl") if ev_dir and
+                                         (ev_dir / "served.jsonl").is_file() else []),
         "speed": {**section_values("speed", sources),
                   **{k: speed.get(k) for k in ("prompt_tokens", "decode_tokens", "repeats", "cpu_noise", "trials",
                                                "noisy_trials", "load_s")}},
@@ -332,6 +333,8 @@ def variant_summary(result: dict, bandwidth: dict | None = None, degeneration: d
         },
     }
     out["roofline"] = roofline(out, bandwidth) if not out["no_native_kernel"] else None
+    if result.get("screened"):
+        out["screened"] = result["screened"]
     return out
 
 

@@ -377,6 +377,10 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
     variants_blocks: list = ([f"Not in this report: {'; '.join(f'{k} ({why})' for k, why in missing.items())}. "
                               "`quantdrift compare` measures what a run lacks; `quantdrift report` measures nothing."]
                              if missing else [])
+    screened = {n: v["screened"]["reason"] for n, v in ok.items() if v.get("screened")}
+    if screened:
+        variants_blocks += ["Screened out after their teacher-forced scoring (decision.screen), so without flips, "
+                            "speed or load figures:", [f"`{n}`: {why}" for n, why in screened.items()]]
     variants_blocks += [main_table(summary), *mark_notes(summary), (
         "KLD: mean token-level KL divergence (nats) of the variant's next-token distribution from the original's, "
         "teacher-forced on the original's own transcripts (top-K + tail bucket, exact where the tail is large). Pass/flips: machine checks on the "

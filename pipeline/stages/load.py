@@ -78,7 +78,12 @@ def plan_variant(cfg, name: str, original, depths: list[int], budget_mb: float) 
     from pipeline.servers import engine_class
     from pipeline.stages.quantize import build_artifact
 
+    from pipeline.stages.variant_setup import load_result
+
     lc = cfg.load
+    screened = (load_result(cfg, name) or {}).get("screened")
+    if screened:
+        raise Skip(f"screened out at its scoring: {screened['reason']}")
     variant = variant_of(cfg, name)
     engine = engine_class(variant.runtime)
     engine.check(variant)
