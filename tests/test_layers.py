@@ -29,7 +29,6 @@ OVER_400 = (
     "pipeline.runtimes.hf",
     "pipeline.runtimes.llamacpp",
     "pipeline.stages.reference",
-    "pipeline.suites.checks",
 )
 
 
