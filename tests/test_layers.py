@@ -28,7 +28,6 @@ OVER_400 = (
     "pipeline.report.sections",
     "pipeline.runtimes.hf",
     "pipeline.runtimes.llamacpp",
-    "pipeline.stages.reference",
 )
 
 

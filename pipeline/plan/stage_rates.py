@@ -191,7 +191,7 @@ class TimeModel:
         return max(0.0, run.walls[("speed", "*")] - sum(costs)) / len(costs)
 
     def _parity(self, wall: float, params: int, f16_bytes: float | None) -> tuple[float, str] | None:
-        """The parity check by component (stages.reference.check_parity): the F16 file and the original loaded one
+        """The parity check by component (stages.parity.check_parity): the F16 file and the original loaded one
         after the other, the same parity tokens read by both, and the rest (the vocabulary loaded in a child, the
         suites' texts tokenized twice, the rows compared) grown with the vocabulary and the tokens. None without
         both runtimes' speed figures."""
