@@ -25,7 +25,6 @@ MAX_LINES = 400
 OVER_400 = (
     "pipeline.plan.estimate",
     "pipeline.plan.stage_rates",
-    "pipeline.report.sections",
     "pipeline.runtimes.hf",
     "pipeline.runtimes.llamacpp",
 )
