@@ -25,7 +25,6 @@ MAX_LINES = 400
 OVER_400 = (
     "pipeline.plan.estimate",
     "pipeline.plan.stage_rates",
-    "pipeline.runtimes.llamacpp",
 )
 
 
