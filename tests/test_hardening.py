@@ -226,12 +226,12 @@ def test_a_gguf_llama_cpp_cannot_load_costs_the_gguf_variants_only(tmp_path, tin
     """llama.cpp refusing the converted F16 file (a missing tensor, an unknown key) stops no transformers variant:
     the original is measured with its reference on transformers, a GGUF variant is skipped naming llama.cpp's
     error, and the report says both."""
-    import pipeline.stages.reference as reference
+    import pipeline.stages.parity as parity
 
     def refuse(*args, **kwargs):
         raise ValueError("Failed to load model from file: check_tensor_dims: tensor 'output.weight' not found")
 
-    monkeypatch.setattr(reference, "check_parity", refuse)
+    monkeypatch.setattr(parity, "check_parity", refuse)
     assert run(_cfg(tiny_llama, tmp_path, "variant=original")) == 0
     assert run(_cfg(tiny_llama, tmp_path, "variant=gguf_q8_0")) == 0
     report = _cfg(tiny_llama, tmp_path, "command=report", "run.variants=[original,gguf_q8_0]")

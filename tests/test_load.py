@@ -342,9 +342,9 @@ def test_the_sweep_serves_every_gguf_variant_and_skips_the_others_with_the_reaso
     import matplotlib.pyplot as plt
 
     from pipeline.report.plots import _load_plots
-    from pipeline.report.sections import _load_section
+    from pipeline.report.load_section import load_section
 
-    key, title, blocks = _load_section({"load": result})
+    key, title, blocks = load_section({"load": result})
     text = json.dumps(blocks)
     assert key == "load" and "gguf_q8_0" in text and "not in this sweep" in text and "workload" in text.lower()
     plots = _load_plots(plt, result, cfg.results_dir, {"gguf_q8_0": "#1f77b4", "original": "#ff7f0e"})

@@ -178,7 +178,8 @@ def test_a_load_level_scales_with_the_bytes_up_to_its_time_limit_and_the_levels_
     measured one is not nine times slower once its levels reach that cap, and a sweep with a third of the levels
     (repeats=1 against 3) takes a third of the time."""
     from pipeline.plan.measured_runs import MeasuredRun
-    from pipeline.plan.stage_rates import PlannedSweep, TimeModel
+    from pipeline.plan.speed_rates import PlannedSweep
+    from pipeline.plan.stage_rates import TimeModel
 
     run = MeasuredRun(label="demo", model="m", run="quick", profile="quick", suites=[], params=100, cpu_key="k",
                       cpu="cpu",
@@ -200,7 +201,8 @@ def test_a_load_sweep_is_its_rounds_fixed_part_and_its_requests_prefill_and_deco
     round (plus the larger model's longer load), each level's requests at the measured seconds per request, the
     time to first token carried by the prefill ratio and the depth, the rest by the decode ratio."""
     from pipeline.plan.measured_runs import _read_load_levels
-    from pipeline.plan.stage_rates import PlannedSweep, TimeModel
+    from pipeline.plan.speed_rates import PlannedSweep
+    from pipeline.plan.stage_rates import TimeModel
 
     run = _component_run(walls={("load", "*"): 100.0, ("score", "q8"): 50.0})
     lc = {"trials_wall_s": 2 * 20.0 + 16.0 + 24.0, "variants": {"q8": {"status": "ok", "rounds": 2, "depths": {
@@ -639,7 +641,7 @@ def test_free_running_s_own_cost_per_reply_token_carries_at_any_size():
 def test_a_measured_run_s_work_is_counted_with_the_settings_it_recorded(tiny_cfg):
     """A run made with a reply cap on the command line records its workload settings; the plan counts its token
     work with them, not with its profile file's."""
-    from pipeline.plan.estimate import measured_work
+    from pipeline.plan.plan_times import measured_work
 
     cfg = tiny_cfg()
     run = _component_run(profile="smoke", suites=["smoke"])

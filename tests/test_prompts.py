@@ -5,9 +5,10 @@ import pytest
 
 from pipeline.config.schema import PROJECT_ROOT
 from pipeline.suites.records import PromptError, load_suite, select
-from pipeline.suites.checks import (check_grade, count_units, detect_language, extract_json, first_json_object,
-                                    has_greeting, has_table, heading_in, heading_parts, is_json_only, literal_in,
-                                    numbers_in, repeated_fraction, run_check)
+from pipeline.suites.checks import (check_grade, count_units, extract_json, first_json_object, has_greeting, has_table,
+                                    heading_in, heading_parts, is_json_only, literal_in, numbers_in, repeated_fraction,
+                                    run_check)
+from pipeline.suites.language import detect_language
 
 
 @pytest.mark.parametrize("suite,min_records,turns", [("long_output", 8, (1, 1)), ("multi_turn", 8, (4, 8)),

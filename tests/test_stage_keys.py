@@ -55,6 +55,16 @@ def test_code_version_names_functions_by_their_module(monkeypatch):
     assert set(v) == {"pipeline.figures.drift", "pipeline.stages.score.kld_exactness"}
 
 
+def test_a_runtime_code_version_covers_every_module_its_class_is_built_from():
+    """A runtime class assembled from parts in other modules (the hf scoring, llama.cpp's batched decoding) keys its stages on all of them."""
+    from pipeline.runtimes import runtime_code
+
+    assert set(runtime_code("hf")) == {"pipeline.runtimes.base", "pipeline.runtimes.hf",
+                                       "pipeline.runtimes.hf_scoring"}
+    assert set(runtime_code("llamacpp")) == {"pipeline.runtimes.base", "pipeline.runtimes.llamacpp",
+                                             "pipeline.runtimes.llamacpp_batched"}
+
+
 def _stage_times(root) -> dict[str, tuple[float, str]]:
     """Every stage folder under ``root`` -> (when it was built, its key hash)."""
     out = {}

@@ -6,7 +6,7 @@ import json
 import shutil
 
 from pipeline.report.sections import _model_section
-from pipeline.stages.reference import folder_tokenizer_divergence
+from pipeline.stages.parity import folder_tokenizer_divergence
 from pipeline.suites.conversation import ChatRenderer
 
 TEXTS = {"multi_turn": ["Totals for March:\n\n  ok, 1,240 units", "Hello world"]}

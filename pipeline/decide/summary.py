@@ -73,7 +73,7 @@ def build_summary(cfg: Config) -> dict:
                 "bench_tasks": cfg.run.bench_tasks, "bench_limit": cfg.profile.bench_limit,
                 "bench_limits": {t: cfg.profile.bench_limit_for(t) for t in cfg.run.bench_tasks},
                 # the profile keys that set its token counts as it ran (overrides included): what a plan from this
-                # run takes its work to have been (plan.estimate.measured_work)
+                # run takes its work to have been (plan.plan_times.measured_work)
                 "workload": {k: getattr(cfg.profile, k) for k in WORKLOAD_KEYS}},
         "model": {"name": cfg.model.name, "source": cfg.model.source, "origin": origin,
                   **{k: v for k, v in facts.items() if k != "chat_template"}},

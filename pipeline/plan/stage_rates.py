@@ -10,14 +10,15 @@ read, reply tokens decoded, work per vocabulary entry, the original's own passes
 load and generations; what a free-running wall leaves beside them, per decoded token); a one-off stage
 (conversion, parity, quantization) by a fixed part and a part that grows with the parameters where a run of another
 size with the same tokenizer on this CPU has it, else by the parameters; the F16 conversion by its recorded phases,
-a GGUF quantization by the weights of each ggml type (these in ``pipeline.plan.one_off_rates``). Every wall is
-scaled by the ratio of memory bandwidths, the one its run recorded over the local machine's measured now the same
-way in one to two seconds (the short calibration): from another CPU, and from the same one too, whose readings move
-between machine states with its stage times (docs/plan.md, "How the prediction is made"); a model-level stage built
-in another run than the summary's by that run's reading. Prompt tokens read (prefill, teacher-forced scoring) are
-compute-bound: where the run recorded a compute reading, that part is rescaled by the ratio of compute readings
-instead (``prefill_scale``), and for a GGUF file carried from the measured file's ggml types to the planned one's by
-each type's prompt rate measured on the local machine
+a GGUF quantization by the weights of each ggml type (these in ``pipeline.plan.one_off_rates``); the speed trials,
+the load sweep and the benchmark tasks by the measured variant's speed figures (``pipeline.plan.speed_rates``).
+Every wall is scaled by the ratio of memory bandwidths, the one its run recorded over the local machine's measured
+now the same way in one to two seconds (the short calibration): from another CPU, and from the same one too, whose
+readings move between machine states with its stage times (docs/plan.md, "How the prediction is made"); a
+model-level stage built in another run than the summary's by that run's reading. Prompt tokens read (prefill,
+teacher-forced scoring) are compute-bound: where the run recorded a compute reading, that part is rescaled by the
+ratio of compute readings instead (``prefill_scale``), and for a GGUF file carried from the measured file's ggml
+types to the planned one's by each type's prompt rate measured on the local machine
 (``pipeline.plan.prompt_rates``): llama.cpp repacks some types for its CPU matrix products, so a small model's
 K-quant file (mostly fallback types) reads prompts at another speed per weight than a large model's.
 """
@@ -28,25 +29,11 @@ from dataclasses import dataclass, field
 
 from pipeline.plan.measured_runs import MeasuredRun
 from pipeline.plan.one_off_rates import conversion, quantization_by_type, two_sizes
-
-
-@dataclass(frozen=True)
-class PlannedSweep:
-    """The planned load sweep of one served variant: its rounds (a fresh server each), the context depths, the
-    requests each concurrency level sends (loadgen.level_requests) and the seconds a level may last."""
-
-    rounds: int
-    depths: tuple[int, ...]
-    requests: dict              # concurrency -> requests
-    cap: float
-
-    @property
-    def levels(self) -> int:
-        return self.rounds * len(self.depths) * len(self.requests)
+from pipeline.plan.speed_rates import PlannedSweep, SpeedRates
 
 
 @dataclass
-class TimeModel:
+class TimeModel(SpeedRates):
     """Scales a measured run's stage times to the planned run."""
 
     run: MeasuredRun
@@ -151,47 +138,8 @@ class TimeModel:
             return 0.0
         return sum(self._read(original_rates, w["context_tokens"]) for w in work.values())
 
-    @staticmethod
-    def _probe_cost(rates: dict, protocol: dict) -> float:
-        """One speed-probe label: its model loaded, then every generation of the protocol."""
-        n = protocol["warmup"] + protocol["rounds"] * protocol["repeats"]
-        return rates["load"] + n * (protocol["prompt_tokens"] * rates["prefill"]
-                                    + protocol["decode_tokens"] * rates["decode"])
-
-    def _speed(self, name: str, kind: str, nbytes: float, params: int | None,
-               labels: int, types: dict | None = None) -> tuple[float, str] | None:
-        """The speed stage's time for one variant (``labels``: 2 for the A/A control) by component: each label's
-        model load and generations at the planned size, plus each label's share of what the measured stage's wall
-        leaves after its own labels' components (a probe worker's start: the interpreter, the runtime's imports,
-        the CPU checks). None without the measured run's protocol or speed figures."""
-        run, start = self.run, self._worker_start()
-        if start is None or not self.plan_speed:
-            return None
-        ref = self._match("score", name, kind, nbytes)
-        if not ref or ref[0] not in run.rates:
-            return None
-        rates = self._rates(ref[0], nbytes, params or self.plan_params or run.params, planned=True, types=types)
-        t = labels * (start + self._probe_cost(rates, self.plan_speed))
-        via = "" if ref[0] == name else f" via {ref[0]}"
-        return t, (f"{run.label}{via} by component ({labels} label{'s' * (labels > 1)}: a worker's start "
-                   f"{start:.1f} s + its load and probes){self._types_note(ref[0], types)}")
-
-    def _worker_start(self) -> float | None:
-        """A Python worker's start with the runtimes' imports (the interpreter, torch or llama.cpp, the CPU checks),
-        as the measured speed stage gives it: its wall less its labels' loads and generations, per label. None
-        without the measured run's protocol or speed figures."""
-        run = self.run
-        if not (run.speed_protocol and run.speed_round and ("speed", "*") in run.walls):
-            return None
-        measured = [label.split("#", 1)[0] for label in run.speed_round]
-        if any(v not in run.rates or not run.variants[v].get("bytes") for v in measured):
-            return None
-        costs = [self._probe_cost(self._rates(v, run.variants[v]["bytes"], run.params), run.speed_protocol)
-                 for v in measured]
-        return max(0.0, run.walls[("speed", "*")] - sum(costs)) / len(costs)
-
     def _parity(self, wall: float, params: int, f16_bytes: float | None) -> tuple[float, str] | None:
-        """The parity check by component (stages.reference.check_parity): the F16 file and the original loaded one
+        """The parity check by component (stages.parity.check_parity): the F16 file and the original loaded one
         after the other, the same parity tokens read by both, and the rest (the vocabulary loaded in a child, the
         suites' texts tokenized twice, the rows compared) grown with the vocabulary and the tokens. None without
         both runtimes' speed figures."""
@@ -434,49 +382,3 @@ class TimeModel:
             ratio *= self._tokens()
         ratio *= extra
         return wall * ratio * self.factor, f"{run.label}{via} x{ratio:.2g}"
-
-    def _load_sweep(self, measured: str, nbytes: float, params: int | None,
-                    sweep: PlannedSweep, types: dict | None = None) -> tuple[float, str] | None:
-        """A served variant's load sweep by component: per round what the measured rounds spent outside their levels
-        (a server's start, guidellm's start and exit: ``MeasuredRun.load_fixed_s``) plus the planned load's growth;
-        per level its requests at the measured level's seconds per request (the nearest concurrency), the time to
-        first token carried by the prefill ratio and the depth, the rest of a request by the decode ratio; a level
-        capped at load.max_seconds_per_level. None without the measured levels or speed figures."""
-        import math
-
-        run, rows = self.run, self.run.load_levels.get(measured)
-        mrates, prates = self._rate_pair(measured, nbytes, params, types)
-        if not rows or run.load_fixed_s is None or not (mrates and prates):
-            return None
-        pre, dec = prates["prefill"] / mrates["prefill"], prates["decode"] / mrates["decode"]
-        total, capped = 0.0, 0
-        for depth in sweep.depths:
-            for c, requests in sweep.requests.items():
-                lv = min(rows, key=lambda r: (abs(math.log(r["concurrency"] / c)), abs(r["depth"] - depth)))
-                first = min(1.0, lv["ttft"] / lv["e2e"])
-                ratio = first * pre * (depth / lv["depth"] if lv["depth"] else 1.0) + (1.0 - first) * dec
-                level = requests * lv["wall"] / lv["requests"] * ratio * self.factor
-                capped += level > sweep.cap
-                total += min(level, sweep.cap) * sweep.rounds
-        fixed = (run.load_fixed_s + max(0.0, prates["load"] - mrates["load"])) * self.factor
-        return (total + fixed * sweep.rounds,
-                f"{run.label} by component ({measured}'s levels: prefill x{pre:.2g}, decode x{dec:.2g}; "
-                f"{sweep.rounds} round(s) of {fixed:.0f} s outside the levels){' (capped levels)' * bool(capped)}")
-
-    def _bench(self, stage: str, name: str, kind: str, nbytes: float, params: int | None,
-               samples: float, types: dict | None = None) -> tuple[float | None, str]:
-        """A benchmark task's stage: the same task on the nearest measured variant, per sample, carried by the time
-        per decoded token (a task that generates) or per prompt token (log-likelihoods), times ``samples``."""
-        run, task = self.run, stage.split(":", 1)[1]
-        found = self._match(stage, name, kind, nbytes)
-        if found is None or not run.bench_samples.get((task, found[0])):
-            return None, f"no {stage} stage in {run.label}"
-        other, wall = found
-        mrates, prates = self._rate_pair(other, nbytes, params, types)
-        from pipeline.suites.lmeval.tasks import get_task
-
-        rate = "decode" if get_task(task).generates else "prefill"
-        ratio = prates[rate] / mrates[rate] if mrates and prates else nbytes / run.variants[other]["bytes"]
-        ratio *= samples / run.bench_samples[(task, other)]
-        via = "" if other == name else f" via {other}"
-        return wall * ratio * self.factor, f"{run.label}{via} x{ratio:.2g} (samples x time per {rate} token)"

@@ -38,8 +38,11 @@ def runtime_key(cfg, artifact) -> dict:
 
 
 def runtime_code(name: str) -> dict:
-    """The version of runtime ``name``'s code and of the interface code every runtime shares (greedy choice,
+    """The version of runtime ``name``'s code (its class's module and the modules of the runtime classes it is built
+    from, such as a scoring part of its own) and of the interface code every runtime shares (greedy choice,
     repetition penalty): what its generated tokens and scores depend on besides weights and settings."""
     from pipeline.infra.code_version import code_version
 
-    return code_version("pipeline.runtimes.base", runtime_class(name).__module__)
+    cls = runtime_class(name)
+    parts = [c.__module__ for c in cls.__mro__ if c.__module__.startswith("pipeline.runtimes.")]
+    return code_version("pipeline.runtimes.base", *dict.fromkeys(parts))

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def deployment_suites(cfg: Config, parity: dict | None, suites: dict) -> list[str]:
     """Suites the deployment path runs on for cfg.variant (none for a runtime without a tokenizer of its own)."""
-    from pipeline.stages.reference import diverging_suites
+    from pipeline.stages.parity import diverging_suites
 
     mode = cfg.profile.deployment_path
     if mode == "never" or not runtime_class(cfg.variant.runtime).own_tokenizer:

@@ -23,7 +23,8 @@ from pipeline.suites.records import Conversation, checks_fingerprint
 
 def checks_code() -> dict:
     """The code an outcome or a reply comparison depends on."""
-    return code_version("pipeline.suites.checks", "pipeline.figures.drift", compare_free_running, turn_outcomes)
+    return code_version("pipeline.suites.checks", "pipeline.suites.language", "pipeline.figures.drift",
+                        compare_free_running, turn_outcomes)
 
 
 def turn_outcomes(conv: Conversation, transcript: dict) -> list[list[bool]]:

@@ -22,8 +22,8 @@ def setup_reference(cfg: Config, original, renderer, suites: dict) -> tuple[dict
     """Parity checks, then the reference transcripts. Returns (references, producer, parity)."""
     from pipeline.infra.errors import Skip
     from pipeline.stages.quantize import build_artifact
-    from pipeline.stages.reference import (build_reference, check_parity, f16_variant, folder_tokenizer_divergence,
-                                           parity_error, parity_texts)
+    from pipeline.stages.parity import check_parity, folder_tokenizer_divergence, parity_error, parity_texts
+    from pipeline.stages.reference import build_reference, f16_variant
 
     # every suite text as the runtimes see it: the GGUF tokenizer and the folder's tokenizer.json are checked on it
     texts = {name: parity_texts(convs, renderer) for name, convs in suites.items()}

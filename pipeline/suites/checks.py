@@ -9,6 +9,7 @@ import logging
 import re
 from typing import Any
 
+from pipeline.suites.language import detect_language
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,6 @@ SECTIONS_LABEL_MAX_WORDS = 8  # sections: the text before a colon is a heading l
 GREETING_LINES = 5            # format greeting: the salutation is among the first non-blank lines
 NO_LOOP_N = 4                 # no_loop: word n-grams compared
 NO_LOOP_MAX_REPEATED = 0.3    # no_loop: most of the n-grams that may repeat an earlier one
-LANGUAGE_MIN_WORDS = 8        # language: fewer words than this have no language
-LANGUAGE_MIN_SHARE = 0.15     # language: least share of function words of the detected language
 _REGEX_FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL, "x": re.VERBOSE}
 
 
@@ -129,7 +128,6 @@ def check_grade(check: dict) -> str:
 
 # ---------------------------------------------------------------- graded-check helpers
 
-_WORD = re.compile(r"[^\W\d_]+")               # a run of letters (any script)
 _TOKEN = re.compile(r"\w+")                     # letters or digits: what a loop repeats
 _LIST_MARKER = r"^\s*(?:[-*+\u2022]|\d{1,2}[.)])\s+"    # a bullet or a list number opening a line
 _BULLET = re.compile(_LIST_MARKER + r"\S")
@@ -350,54 +348,3 @@ def has_greeting(text: str) -> bool:
     lines = [re.sub(r"^[\s>*_#\"'\u201c\u201d-]+|[\s*_\"'\u201c\u201d]+$", "", ln) for ln in text.splitlines()]
     lines = [ln for ln in lines if ln][:GREETING_LINES]
     return any(_SALUTATION.match(ln) or _ADDRESS_LINE.fullmatch(ln) for ln in lines)
-
-
-# Frequent function words per language: a reply is in the language whose words make up the largest share of its
-# words (at least LANGUAGE_MIN_SHARE of them, and more than any other language's share). No dependency, no model;
-# enough to tell English, German, Spanish, French, Italian, Dutch and Portuguese prose apart, and to fail a reply
-# that is mostly digits, symbols, code or another script. The other lists leave out words that are also common
-# English words ("of", "is", "no", "as", ...), so English prose never ties with them.
-_STOPWORDS = {
-    "en": set("""the and to of a an in is are was were be been being for on that this these those with as at by from
-        it its or but not no we you your our us i me my he she they them their his her will would can could should
-        shall have has had do does did if then than there here which who whom what when where why how all any each
-        please thank thanks so also into about after before up out over under per may must just only more most""".split()),
-    "de": set("""der die das und ist nicht ein eine einen einem einer zu den dem des mit sich auf für von im sie wir
-        ich es bitte auch als bei oder aber wie noch nach aus wird werden wurde wurden sind haben hat habe kann können
-        uns unser unsere ihr ihre ihnen ihren dass vielen dank mein meine meinen sehr geehrte geehrter zum zur vom
-        über bis wenn nur diese dieser dieses um gibt schon mir mich dir ihm""".split()),
-    "es": set("""el la los las del y que en un una unos unas es son por para con su sus al lo como más pero se
-        le les nos este esta estos estas ese esa muy ya hay fue ser está están gracias usted ustedes nuestro nuestra
-        nuestros sobre también cuando donde si sí mi te hemos ha han puede pueden todo todos""".split()),
-    "fr": set("""le la les des du et un une est sont que qui pour dans par sur avec ne pas plus au aux ce cette ces
-        nous vous votre vos notre nos il elle ils elles je se son sa ses mais ou si très merci bonjour été être
-        avoir ont avons avez sera leur leurs tout tous comme""".split()),
-    "it": set("""il lo gli di del della dei delle e è un una uno che con non su da dal dalla al alla come più
-        ma anche sono questo questa questi ci si ha hanno grazie nostro nostra vostro vostra suo sua siamo essere
-        nel nella sul sulla ogni""".split()),
-    "nl": set("""de het een en van dat die te op voor met niet zijn er aan ook als bij om maar door naar dan
-        wij u uw ons onze ik je jullie wordt worden heeft hebben kan kunnen dit deze graag bedankt
-        alstublieft nog wel geen""".split()),
-    "pt": set("""o os da dos das e é um uma que em na nos nas para por com não se ao mais mas como seu sua
-        você vocês nosso nossa foi ser está estão obrigado obrigada também muito pelo pela ou já são""".split()),
-}
-
-
-def language_shares(text: str) -> dict[str, float]:
-    """Per language: the share of the text's words that are among its frequent function words."""
-    words = [w.lower() for w in _WORD.findall(text)]
-    if not words:
-        return {lang: 0.0 for lang in _STOPWORDS}
-    return {lang: sum(w in stop for w in words) / len(words) for lang, stop in _STOPWORDS.items()}
-
-
-def detect_language(text: str) -> str | None:
-    """The language code of a reply, or None when it has fewer than LANGUAGE_MIN_WORDS words, no language
-    reaches LANGUAGE_MIN_SHARE, or two languages tie."""
-    if len(_WORD.findall(text)) < LANGUAGE_MIN_WORDS:
-        return None
-    shares = sorted(language_shares(text).items(), key=lambda kv: kv[1], reverse=True)
-    (best, top), (_, second) = shares[0], shares[1]
-    if top < LANGUAGE_MIN_SHARE or top == second:
-        return None
-    return best

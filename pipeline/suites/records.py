@@ -14,7 +14,8 @@ from typing import Any
 
 from pipeline.infra.errors import ConfigError
 from pipeline.suites.checks import (CHECK_TYPES, FORMAT_KINDS, GRADES, LENGTH_UNITS, NO_LOOP_MAX_REPEATED, NO_LOOP_N,
-                                    _REGEX_FLAGS, _STOPWORDS, check_label, literal_in)
+                                    _REGEX_FLAGS, check_label, literal_in)
+from pipeline.suites.language import _STOPWORDS
 
 log = logging.getLogger(__name__)
 MAX_TURNS = 8
@@ -296,7 +297,8 @@ def checks_fingerprint(convs: list[Conversation]) -> str:
     from pipeline.infra.code_version import code_version
     from pipeline.infra.files import stable_hash
 
-    return stable_hash({"conversations": convs, "code": code_version("pipeline.suites.checks")})
+    return stable_hash({"conversations": convs,
+                        "code": code_version("pipeline.suites.checks", "pipeline.suites.language")})
 
 
 def probe_prompt(renderer, suites: dict, n_tokens: int) -> list[int]:
