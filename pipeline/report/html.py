@@ -87,7 +87,8 @@ def render_html(summary: dict, out_dir: Path, plots: dict[str, str], samples: li
                              f"src='data:image/png;base64,{data}'></figure>")
             elif isinstance(b, tuple):
                 head, rows = b
-                tid = "main" if sid == "variants" and i == 0 else f"{sid}-{i}"
+                first = not any(isinstance(x, tuple) for x in blocks[:i])   # the variants' first table: main
+                tid = "main" if sid == "variants" and first else f"{sid}-{i}"
                 parts.append(f"<table id='{esc(tid)}'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
                 parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows]
                 parts.append("</table>")
