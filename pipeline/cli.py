@@ -25,14 +25,12 @@ import sys
 import time
 
 from pipeline.config.schema import PROJECT_ROOT, Config
-from pipeline.infra.errors import ConfigError, Interrupted
+from pipeline.infra.errors import EXIT_BAD_INPUT, EXIT_VARIANT_FAILED, ConfigError, Interrupted
 from pipeline.compose import register_resolvers
 
 log = logging.getLogger("quantdrift")
 
 _CORPUS_SHORTHAND = ("file", "ctx", "json", "max_chunks", "baseline")
-EXIT_BAD_INPUT = 2
-EXIT_VARIANT_FAILED = 3
 
 _exit_code = 0
 
@@ -48,7 +46,9 @@ def _evaluate(cfg: Config) -> int:
 def _compare(cfg: Config) -> int:
     from pipeline.commands.compare import run_compare
 
-    return run_compare(cfg)
+    code, summary = run_compare(cfg)
+    _print_headline(cfg, summary)
+    return max(code, _failed(summary))
 
 
 def _report(cfg: Config) -> int:
@@ -59,11 +59,7 @@ def _report(cfg: Config) -> int:
     missing = summary.get("stages_missing") or {}
     for stage, why in missing.items():
         print(f"not in this report: {stage} ({why}); `quantdrift compare` measures it", file=sys.stderr)
-    failed = [n for n, v in summary["variants"].items() if v["status"] == "failed"]
-    if failed:
-        print(f"failed variants: {', '.join(failed)}", file=sys.stderr)
-        return EXIT_VARIANT_FAILED
-    return 0
+    return _failed(summary)
 
 
 def _redecide(cfg: Config) -> int:
@@ -80,6 +76,15 @@ def _print_headline(cfg: Config, summary: dict) -> None:
     rec = summary["recommendation"]
     print(f"report: {cfg.results_dir / 'report.md'}")
     print(f"recommendation: {rec['variant'] or 'none'} — {rec['summary']}")
+
+
+def _failed(summary: dict) -> int:
+    """EXIT_VARIANT_FAILED, naming them, where a variant of the summary failed; else 0."""
+    failed = [n for n, v in summary["variants"].items() if v["status"] == "failed"]
+    if failed:
+        print(f"failed variants: {', '.join(failed)}", file=sys.stderr)
+        return EXIT_VARIANT_FAILED
+    return 0
 
 
 def _regress(cfg: Config) -> int:

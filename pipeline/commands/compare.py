@@ -18,14 +18,13 @@ import dataclasses
 import logging
 
 from pipeline.config.schema import Config
-from pipeline.infra.errors import ConfigError
+from pipeline.infra.errors import EXIT_BAD_INPUT, EXIT_VARIANT_FAILED, ConfigError
 
 log = logging.getLogger(__name__)
 
-EXIT_BAD_INPUT, EXIT_VARIANT_FAILED = 2, 3
 
-
-def run_compare(cfg: Config) -> int:
+def run_compare(cfg: Config) -> tuple[int, dict]:
+    """Every stage of the comparison in order; returns (0 or the variant stage's exit code, the summary)."""
     from pipeline.decide.summary import write_summary
     from pipeline.report.write import render_report
     from pipeline.stages.preflight import run_preflight
@@ -39,14 +38,7 @@ def run_compare(cfg: Config) -> int:
         load_stage(cfg)
     summary = write_summary(cfg)
     render_report(cfg, summary)
-    rec = summary["recommendation"]
-    print(f"report: {cfg.results_dir / 'report.md'}")
-    print(f"recommendation: {rec['variant'] or 'none'} — {rec['summary']}")
-    failed = [n for n, v in summary["variants"].items() if v["status"] == "failed"]
-    if failed:
-        print(f"failed variants: {', '.join(failed)}")
-        code = max(code, EXIT_VARIANT_FAILED)
-    return code
+    return code, summary
 
 
 def evaluate_variants(cfg: Config) -> int:

@@ -53,8 +53,6 @@ def evaluate_job(cfg: Config) -> dict:
         from pipeline.stages.deployment import deployment_path, deployment_suites
         from pipeline.stages.evaluate import evaluate_variant
         from pipeline.stages.score import score_variant
-        from pipeline.stages.quantize import bits_per_weight
-        from pipeline.suites.records import checks_fingerprint
         from pipeline.instruments.probe import probe_spec
 
         try:
@@ -63,8 +61,8 @@ def evaluate_job(cfg: Config) -> dict:
             screened = screen(cfg, scores)
             if screened:
                 log.info("%s screened out: %s", variant.name, screened["reason"])
-                result = {**base, **screened_result(artifact, scores, screened, original, producer, refs, parity,
-                                                    cfg, suites, started)}
+                result = {**base, **screened_result(scores, screened),
+                          **shared_result(cfg, artifact, original, producer, refs, parity, suites, started)}
                 write_json(result_path(cfg, variant.name), result)
                 return result
             free = evaluate_variant(cfg, original, renderer, artifact, suites, refs, producer)
@@ -83,9 +81,6 @@ def evaluate_job(cfg: Config) -> dict:
             **base,
             "status": "ok",
             "reason": None,
-            "artifact": {"path": str(artifact.path), "bytes": artifact.bytes, "hash": artifact.hash,
-                         "info": artifact.info,
-                         "bits_per_weight": bits_per_weight(artifact.path, original.facts.get("params"))},
             # dir: the checks stage's folder (samples.jsonl, served.jsonl); the free-running and scoring stages'
             # folders beside it
             "evaluation": {"dir": checked["dir"], "free_running_dir": free["dir"], "manifest_hash": free["key_hash"],
@@ -107,11 +102,7 @@ def evaluate_job(cfg: Config) -> dict:
             # what a speed trial of this variant runs (pipeline.stages.speed measures all variants, interleaved)
             "probe": probe_spec(cfg, variant, artifact,
                                 probe_prompt(renderer, suites, cfg.profile.speed.prompt_tokens)),
-            "reference": {"producer": producer["name"], "suites": {s: r.hash for s, r in refs.items()}},
-            "checks": {s: checks_fingerprint(convs) for s, convs in suites.items()},
-            "parity": parity,
-            "model": {"name": cfg.model.name, "source": cfg.model.source, "facts": original.facts},
-            "wall_s": time.time() - started,
+            **shared_result(cfg, artifact, original, producer, refs, parity, suites, started),
         }
     except Interrupted:       # stopped from outside: no verdict on the variant; the same command resumes
         raise
@@ -152,27 +143,34 @@ def screen(cfg: Config, scores: dict) -> dict | None:
             "kld_mean": iv, "limit": limit}
 
 
-def screened_result(artifact, scores: dict, screened: dict, original, producer: dict, refs: dict, parity,
-                    cfg: Config, suites: dict, started: float) -> dict:
-    """The result file of a screened variant: ok, with its artifact and scoring, and what screened it."""
+def shared_result(cfg: Config, artifact, original, producer: dict, refs: dict, parity, suites: dict,
+                  started: float) -> dict:
+    """What every evaluated variant's result file holds, screened or not: its artifact, the reference and checks it
+    was measured against, the parity check, the model and the job's wall time."""
     from pipeline.stages.quantize import bits_per_weight
     from pipeline.suites.records import checks_fingerprint
 
     return {
+        "artifact": {"path": str(artifact.path), "bytes": artifact.bytes, "hash": artifact.hash, "info": artifact.info,
+                     "bits_per_weight": bits_per_weight(artifact.path, original.facts.get("params"))},
+        "reference": {"producer": producer["name"], "suites": {s: r.hash for s, r in refs.items()}},
+        "checks": {s: checks_fingerprint(convs) for s, convs in suites.items()},
+        "parity": parity,
+        "model": {"name": cfg.model.name, "source": cfg.model.source, "facts": original.facts},
+        "wall_s": time.time() - started,
+    }
+
+
+def screened_result(scores: dict, screened: dict) -> dict:
+    """The rest of a screened variant's result file: ok, with its scoring alone, and what screened it."""
+    return {
         "status": "ok",
         "reason": None,
         "screened": screened,
-        "artifact": {"path": str(artifact.path), "bytes": artifact.bytes, "hash": artifact.hash, "info": artifact.info,
-                     "bits_per_weight": bits_per_weight(artifact.path, original.facts.get("params"))},
         "evaluation": {"dir": None, "scores_dir": scores["dir"], "scores_manifest_hash": scores["key_hash"],
                        "runtime_info": scores.get("runtime_info"), "kld_exactness": scores.get("kld_exactness"),
                        "exact_rows": scores.get("exact_rows"), "wall_s": scores.get("wall_s") or 0},
         "deployment": None,
         "benchmarks": {},
         "probe": None,
-        "reference": {"producer": producer["name"], "suites": {s: r.hash for s, r in refs.items()}},
-        "checks": {s: checks_fingerprint(convs) for s, convs in suites.items()},
-        "parity": parity,
-        "model": {"name": cfg.model.name, "source": cfg.model.source, "facts": original.facts},
-        "wall_s": time.time() - started,
     }

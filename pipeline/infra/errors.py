@@ -10,6 +10,9 @@ class Skip(Exception):
     allow); it is reported as skipped with this reason, never hidden, and the other variants still run."""
 
 
+# the exit codes of `quantdrift`: bad input or configuration; a run that finished with at least one variant failed
+EXIT_BAD_INPUT, EXIT_VARIANT_FAILED = 2, 3
+
 # what stops a process from outside (a cancelled job, the out-of-memory killer, Ctrl-C), never the tool's own fault
 INTERRUPTING_SIGNALS = (1, 2, 9, 15)       # SIGHUP, SIGINT, SIGKILL, SIGTERM
 

@@ -30,7 +30,7 @@ def _samples(cfg: Config, summary: dict) -> list[dict] | None:
     samples, found = [], False
     for name, v in summary["variants"].items():
         r = load_result(cfg, name) if v.get("status") == "ok" else None
-        ev_dir = (r.get("evaluation") or {}).get("dir") if r and r.get("status") == "ok" else None
+        ev_dir = ((r or {}).get("evaluation") or {}).get("dir")
         path = Path(ev_dir) / "samples.jsonl" if ev_dir else None
         if path is not None and path.is_file():
             found = True
