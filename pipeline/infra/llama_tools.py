@@ -1,6 +1,7 @@
-"""llama.cpp's own command-line tools (llama-batched-bench, llama-bench, llama-perplexity, llama-server, ...), built
-by `make llama-tools` from the same vendored llama.cpp source as the llama-cpp-python wheel and kept outside the
-project. Cross-checks run them on the same files the pipeline measures."""
+"""llama.cpp's own command-line tools (llama-batched-bench, llama-bench, llama-perplexity, llama-server, ...) and the
+libraries the pipeline's llama.cpp runtime loads: one build by `make llama-tools` from the llama.cpp source vendored
+in llama-cpp-python's sdist, kept outside the project. Cross-checks run the tools on the same files the pipeline
+measures, with the same kernels."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def tool(name: str, configured: str = "") -> Path:
     """The path of llama.cpp tool ``name``; a clear error naming `make llama-tools` when it is not built."""
     path = tools_dir(configured) / name
     if not (path.is_file() and os.access(path, os.X_OK)):
-        raise ConfigError(f"{name} is not built at {path}: run `make llama-tools` (it builds llama.cpp's tools from "
-                          "the same vendored source as the wheel, once per machine)")
+        raise ConfigError(f"{name} is not built at {path}: run `make llama-tools` (it builds llama.cpp's tools and "
+                          "the libraries the pipeline loads, once per machine)")
     return path
 
 
@@ -44,7 +45,7 @@ def parse_llama_bench(text: str) -> list[dict]:
 # `make llama-tools` builds llama.cpp as llama.cpp's own releases are built: GGML_BACKEND_DL with
 # GGML_CPU_ALL_VARIANTS, one libggml-cpu-VARIANT.so per x86 level (haswell, skylakex, icelake, zen4, ...), of which
 # ggml loads the best this CPU advertises. On an AVX-512 EPYC that is 1.1-1.2x decode and 1.2-1.5x prefill over
-# the wheel's AVX2 baseline (docs/measurements.md, "The llama.cpp build"). ggml scores a variant by CPUID alone, so
+# an AVX2 baseline build (docs/measurements.md, "The llama.cpp build"). ggml scores a variant by CPUID alone, so
 # a machine that advertises what its OS does not grant (AMX on one VM here) would load kernels that die with
 # SIGILL: the build runs each chosen variant once and removes the ones that die (prune_cpu_variants). The
 # pipeline's llama.cpp runtime then loads the same libraries (use_tool_libraries), so the pipeline and the tools it
@@ -61,10 +62,11 @@ def has_selectable_cpu(folder: Path) -> bool:
 
 
 def use_tool_libraries() -> str | None:
-    """Make llama-cpp-python load the libraries of `make llama-tools` (the run-time-selected CPU kernels) instead of
-    the wheel's own AVX2 build; call before the first ``import llama_cpp``. Honours a LLAMA_CPP_LIB_PATH the user
-    set. Returns the folder in use, or None where the wheel's own libraries serve (tools not built, or llama_cpp
-    already imported: one process loads one build)."""
+    """Make llama-cpp-python load the libraries of `make llama-tools` (llama.cpp's one build: the run-time-selected
+    CPU kernels, CUDA's module where built with it); call before the first ``import llama_cpp``. The bindings are
+    installed without libraries of their own (the Makefile's llama-bindings), so these are the ones every process
+    loads. Honours a LLAMA_CPP_LIB_PATH the user set. Returns the folder in use, or None where none is known
+    (tools not built, or llama_cpp already imported: one process loads one build)."""
     if _library_choice:
         return _library_choice[0]
     choice = os.environ.get("LLAMA_CPP_LIB_PATH") or None
@@ -73,18 +75,23 @@ def use_tool_libraries() -> str | None:
             folder = tools_dir()
         except ConfigError:
             folder = None
-        if folder is not None and has_selectable_cpu(folder):
+        if folder is not None and (folder / "libllama.so").is_file():
             os.environ["LLAMA_CPP_LIB_PATH"] = choice = str(folder)
     _library_choice.append(choice)
     return choice
 
 
 def load_llama_cpp():
-    """The ``llama_cpp`` module, bound to the tools' libraries where they are built (``use_tool_libraries``); every
-    import of llama_cpp in the pipeline goes through here."""
-    use_tool_libraries()
-    import llama_cpp
-
+    """The ``llama_cpp`` module, bound to the tools' libraries (``use_tool_libraries``); every import of llama_cpp
+    in the pipeline goes through here. A ConfigError naming `make llama-tools` where no llama.cpp library loads."""
+    folder = use_tool_libraries()
+    try:
+        import llama_cpp
+    except (FileNotFoundError, OSError, RuntimeError) as exc:
+        where = folder or "the llama-cpp-python package (installed without libraries by `make setup`)"
+        raise ConfigError(f"llama.cpp's libraries could not be loaded from {where}: {exc}. Build them with "
+                          "`make llama-tools` (llama.cpp's one build: its tools and the libraries the Python bindings "
+                          "load), or set LLAMA_CPP_LIB_PATH to a folder holding libllama.so") from None
     return llama_cpp
 
 

@@ -33,7 +33,7 @@ def add_times(cfg, plan: dict, sp, exclude_run: str | None, leave_out: bool = Fa
     from pipeline.plan.quant_rates import seconds_per_weight
     from pipeline.infra.llama_tools import tools_dir
 
-    try:        # llama-quantize's own ggml build, where the tools are built (else the wheel's)
+    try:        # llama-quantize's own ggml build, where the tools are built
         quant_tools = str(tools_dir(cfg.bench.llama_tools))
     except ConfigError:
         quant_tools = ""

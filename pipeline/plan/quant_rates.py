@@ -29,7 +29,8 @@ _REPEATS = 3
 
 
 def _library(tools: str = "") -> Path | None:
-    """libggml-base of llama.cpp's tools (`make llama-tools`), else of the llama-cpp-python wheel; None if neither."""
+    """libggml-base of llama.cpp's tools (`make llama-tools`), else one inside the llama_cpp package (a wheel built
+    with its own libraries); None if neither."""
     folders = [Path(tools)] if tools else []
     spec = importlib.util.find_spec("llama_cpp")
     if spec is not None and spec.submodule_search_locations:

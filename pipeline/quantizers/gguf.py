@@ -119,8 +119,8 @@ def refusal(text: str) -> str:
 
 def llama_quantize(tools: str, src: Path, dst: Path, ftype_name: str, threads: int,
                    imatrix: Path | None = None) -> list[str] | None:
-    """llama.cpp's own llama-quantize (``--imatrix`` when given), built by `make llama-tools` from the same vendored
-    source as the wheel: without an importance matrix it writes byte-identical files to the in-process
+    """llama.cpp's own llama-quantize (``--imatrix`` when given), from `make llama-tools`, the same build of llama.cpp
+    as the bindings load: without an importance matrix it writes byte-identical files to the in-process
     llama_model_quantize (tests/test_imatrix.py checks it), so the artifact's key does not depend on which ran.
     Returns its fallback warnings, or None when the tool is not built (then only a plain quant can run, in
     process). A type it refuses for this model is a Skip carrying llama.cpp's own reason."""

@@ -1,5 +1,5 @@
-"""llama.cpp's own ``llama-server`` for one GGUF variant, built by `make llama-tools` from the same vendored llama.cpp
-as the llama-cpp-python wheel, with the same CMake flags (CUDA when TORCH=cuda).
+"""llama.cpp's own ``llama-server`` for one GGUF variant, from `make llama-tools`: the same build of llama.cpp whose
+libraries the pipeline's llama.cpp runtime loads (CUDA when TORCH=cuda).
 
 ``with LlamaServer(...) as server:`` starts it on 127.0.0.1 on a free port with the variant's settings (threads,
 slots, context per slot, flash attention, K/V cache types, every layer on the GPU on CUDA), waits until
