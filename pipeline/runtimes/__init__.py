@@ -20,9 +20,19 @@ def runtime_class(name: str):
 
 
 def load_runtime(variant, artifact_path, cfg, **options):
-    """``variant``'s runtime loaded on ``artifact_path`` with its options (plus call-site ones such as n_ctx)."""
+    """``variant``'s runtime loaded on ``artifact_path`` with its options (plus call-site ones such as n_ctx). A
+    runtime class with ``own_process`` (llama.cpp's) is loaded in a worker process of its own wherever this process
+    has imported torch (``pipeline.runtimes.worker``): llama.cpp never shares a process with torch."""
+    import sys
+
     opts = {**variant.runtime_options, **options}
-    return runtime_class(variant.runtime)(artifact_path, opts, cfg.runtime, cfg.model.trust_remote_code)
+    cls = runtime_class(variant.runtime)
+    args = (artifact_path, opts, cfg.runtime, cfg.model.trust_remote_code)
+    if getattr(cls, "own_process", False) and "torch" in sys.modules:
+        from pipeline.runtimes.worker import WorkerRuntime
+
+        return WorkerRuntime(cls, *args)
+    return cls(*args)
 
 
 def runtime_key(cfg, artifact) -> dict:

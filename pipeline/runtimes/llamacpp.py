@@ -109,6 +109,7 @@ class LlamaCppRuntime(LlamaCppBatching, FullLogitsRuntime):
     name = "llamacpp"
     Settings = LlamaCppSettings
     own_tokenizer = True
+    own_process = True          # never in a process that imported torch (pipeline.runtimes.worker)
 
     @classmethod
     def apply_kv_cache(cls, options: dict, kv) -> tuple[dict, str]:
