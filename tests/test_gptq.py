@@ -175,3 +175,36 @@ def test_dequantized_weights_reproduce_the_kernel(quantized, reference):
         kld_k, kld_d = metrics.kld_full(lp_ref, lk).mean(), metrics.kld_full(lp_ref, ld).mean()
         assert abs(kld_d - kld_k) / kld_k < 0.05, (name, kld_k, kld_d)
         assert (lk.argmax(-1) == ld.argmax(-1)).mean() >= 0.9, name
+
+
+def test_quantization_computes_in_the_checkpoints_half_type_on_cuda_and_float32_on_a_cpu(tmp_path):
+    """GPTQ on a GPU in the model's own bf16/fp16 (a GPU computes half types at full rate and holds twice the
+    model), on a CPU in float32, its fastest type; a dtype the variant names wins everywhere."""
+    from types import SimpleNamespace
+
+    from pipeline.quantizers.gptq import GPTQModelQuantizer
+
+    def settings(ckpt, device, **quantize):
+        v = load_variant("gptq_w4")
+        v.quantize.update(group_size=64, **quantize)
+        cfg = SimpleNamespace(runtime=SimpleNamespace(device=device))
+        return GPTQModelQuantizer(v, SimpleNamespace(checkpoint=ckpt), cfg).settings()
+
+    for declared, on_cuda in (("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "bfloat16"),
+                              (None, "bfloat16")):
+        ckpt = tmp_path / str(declared)
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text(json.dumps({"dtype": declared} if declared else {}))
+        for device, expected in (("cuda", on_cuda), ("cuda:1", on_cuda), ("cpu", "float32"), ("auto", "float32")):
+            s = settings(ckpt, device)
+            assert s["dtype"] == expected, (declared, device)
+            # the unquantized tensors ship in the compute dtype where it is a half type, else in float16
+            assert s.get("save_dtype") == ("float16" if expected == "float32" else None)
+        assert settings(ckpt, "cuda", dtype="float32")["dtype"] == "float32"
+        assert settings(ckpt, "cpu", dtype="float16")["dtype"] == "float16"
+    from pipeline.infra.errors import ConfigError
+    from pipeline.quantizers.gptq import GPTQModelSettings
+
+    assert GPTQModelSettings(dtype="auto").dtype == "auto"
+    with pytest.raises(ConfigError, match="variant.quantize.dtype"):
+        GPTQModelSettings(dtype="int8")

@@ -129,9 +129,16 @@ class StagePlanner:
         if group == "auto":
             rows = {t.row for t in self.inv.tensors if self.inv.quantizable(t)}
             group = next((g for g in GROUP_SIZES if all(r % g == 0 for r in rows)), GROUP_SIZES[-1])
-        dtype = q.get("dtype") or "float32"
+        dtype = self.quantize_dtype(q)
         save = q.get("save_dtype") or ("float16" if dtype == "float32" else dtype)
         return packed_bytes(self.inv, int(q["bits"]), int(group), q.get("method", "gptq") == "gptq", save)
+
+    def quantize_dtype(self, q: dict) -> str:
+        """The compute dtype GPTQModel quantizes in (pipeline.quantizers.base.quantize_dtype's rule: on a device, a
+        half type, here bfloat16 for the model's own; on a CPU float32 for GPTQ, bfloat16 for AWQ)."""
+        if q.get("dtype") not in (None, "auto"):
+            return q["dtype"]
+        return "bfloat16" if self.on_device or q.get("method") == "awq" else "float32"
 
     def artifact_bytes(self, variant) -> int:
         kind = weight_kind(variant)
@@ -235,7 +242,7 @@ class StagePlanner:
             fp.disk_bytes = self.artifact_bytes(variant)
             q = variant.quantize
             cal = {**{"samples": 64, "seq_len": 256}, **(q.get("calibration") or {})}
-            dtype = q.get("dtype") or ("bfloat16" if q.get("method") == "awq" else "float32")
+            dtype = self.quantize_dtype(q)
             cb = 4 if dtype == "float32" else 2
             hidden = int(self.facts["hidden_size"])
             inner = int(self.facts.get("intermediate_size") or 4 * hidden)

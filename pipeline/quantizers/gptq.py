@@ -11,7 +11,10 @@ Variant settings (variant.quantize):
     group_size: auto | 128 | 64 | 32   (auto: the largest of 128/64/32 dividing every quantized input size)
     desc_act: false                    (gptq)
     sym: true | false
-    dtype: float32 | bfloat16 | float16   (compute dtype while quantizing; AWQ packing needs a half type)
+    dtype: auto | float32 | bfloat16 | float16   (compute dtype while quantizing; auto: on CUDA the checkpoint's
+                                                own half type (bfloat16 where it declares float32), on a CPU
+                                                float32 for GPTQ and bfloat16 for AWQ, whose packing needs a half
+                                                type)
     save_dtype: float16 | bfloat16 | float32   (the unquantized tensors as shipped: embeddings, norms, head;
                                                 default: the compute dtype, float16 when that is float32)
     calibration: {path: JSONL with a text field | dataset: NAME, split, field, samples, seq_len}
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from pipeline.infra.cpus import usable_cpus
 from pipeline.infra.errors import ConfigError
-from pipeline.quantizers.base import Quantizer, Skip, run_worker
+from pipeline.quantizers.base import Quantizer, Skip, quantize_dtype, run_worker
 from pipeline.quantizers.calibration import (DEFAULT_CALIBRATION, PROJECT_ROOT, calibration_key, calibration_texts,
                                              check_calibration, check_group_size)
 
@@ -95,9 +98,10 @@ class GPTQModelSettings:
         one_of("variant.quantize.method", self.method, ("gptq", "awq"))
         one_of("variant.quantize.bits", self.bits, (4,) if self.method == "awq" else (2, 3, 4, 8))
         check_group_size(self.group_size)
-        for key in ("dtype", "save_dtype"):
-            if getattr(self, key) is not None:
-                one_of(f"variant.quantize.{key}", getattr(self, key), ("float32", "bfloat16", "float16"))
+        if self.dtype is not None:
+            one_of("variant.quantize.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        if self.save_dtype is not None:
+            one_of("variant.quantize.save_dtype", self.save_dtype, ("float32", "bfloat16", "float16"))
         check_calibration(self.calibration)
 
 
@@ -123,7 +127,8 @@ class GPTQModelQuantizer(Quantizer):
             if odd:   # GPTQModel 7.6's AWQ clip search batches output channels by 64 and asserts on the rest
                 raise Skip(f"AWQ in GPTQModel needs every quantized layer's output size to be a multiple of 64; "
                            f"this model has {odd}")
-        dtype = q.get("dtype", "bfloat16" if method == "awq" else "float32")
+        dtype = quantize_dtype(q.get("dtype"), "bfloat16" if method == "awq" else "float32",
+                               self.cfg.runtime.device, self.original.checkpoint)
         settings = {"method": method, "bits": bits, "group_size": group, "desc_act": bool(q.get("desc_act", False)),
                     "sym": bool(q.get("sym", method == "gptq")), "dtype": dtype, "calibration": calib}
         # A user ships the unquantized tensors (embeddings, norms, a tied head) in a half type, not in the fp32 a
