@@ -120,7 +120,7 @@ def test_gpu_check_passes_when_every_variant_ran_on_the_gpu_and_names_each_failu
     from pipeline.decide.gpu_verdict import check
 
     table, ok = check(_gpu_summary())
-    assert ok and table.count("on the GPU") == 7 and "parity on CUDA: mean KLD 3.00e-06" in table
+    assert ok and table.count("on the GPU") == 8 and "parity on CUDA: mean KLD 3.00e-06" in table
     s = _gpu_summary()
     s["variants"]["original"]["runtime_info"]["device"] = "cpu"
     s["variants"]["gguf_q4_k_m"]["runtime_info"]["offloaded_layers"] = "20/31"
@@ -135,6 +135,29 @@ def test_gpu_check_passes_when_every_variant_ran_on_the_gpu_and_names_each_failu
     s = _gpu_summary()
     s["reference"]["parity"]["ok"] = False
     assert not check(s)[1]
+
+
+def test_gpu_checks_partial_table_judges_the_finished_variants_with_their_intervals():
+    """Written after each variant while the run goes on: the variants finished so far, judged on where they ran;
+    the speed trials' memory and the parity are judged only by the final table."""
+    from pipeline.decide.gpu_verdict import check
+
+    s = _gpu_summary()
+    for name in list(s["variants"])[2:]:
+        del s["variants"][name]
+    del s["reference"]
+    for v in s["variants"].values():
+        v["device_memory"] = None
+    f16 = s["variants"]["gguf_f16"]
+    f16["drift"] = {"kld_mean": 2e-6}
+    f16["intervals"] = {"decode_tokens_per_s": {"low": 290.0, "high": 310.0}, "kld_mean": {"low": 1e-6, "high": 3e-6}}
+    table, ok = check(s, partial=True)
+    assert ok and table.count("on the GPU") == 2 and "awq_w4" not in table
+    assert "300.0 [290.0, 310.0]" in table and "2.00e-06 [1.00e-06, 3.00e-06]" in table
+    assert not check(s)[1]                 # the final verdict wants every variant, its device memory, the parity
+    f16["runtime_info"]["device"] = "cpu"
+    table, ok = check(s, partial=True)
+    assert not ok and "ran on 'cpu', not cuda" in table
 
 
 def test_gpu_check_main_reads_a_results_folder(tmp_path, capsys):
