@@ -175,8 +175,8 @@ def _probe_workers_left(own, wait_s: float = 10.0) -> set[int]:
 
 @pytest.mark.full       # a whole run repeated: `make test-all` (the nightly suite), not `make test`
 def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, tiny_llama, own_processes):
-    """kill -9 at the F16 conversion, the reference (transcripts, exact rows), the evaluation (free-running,
-    scoring), the speed trials and the report; each rerun
+    """kill -9 at the F16 conversion, the reference (transcripts, exact rows), the evaluation (scoring, then
+    free-running: the order a variant job runs them in), the speed trials and the report; each rerun
     resumes, and the final summary's drift equals an uninterrupted run's."""
     common = [f"model.source={tiny_llama}", "model.name=tiny", "profile=smoke", "run.suites=[smoke]",
               f"paths.cache={PROJECT_ROOT / '.cache'}"]
@@ -193,7 +193,7 @@ def test_kill_9_anywhere_then_rerun_gives_the_uninterrupted_summary(tmp_path, ti
     killed = tmp_path / "killed"
     for args, marker in ((sweep, "convert:f16-gguf: building"), (sweep, "reference:smoke: building"),
                          (sweep, "reference:smoke:logprobs: building"), (sweep, "reference:smoke:exact_rows: building"),
-                         (sweep, "evaluate:gguf_q8_0: building"), (sweep, "score:gguf_q8_0: building"),
+                         (sweep, "score:gguf_q8_0: building"), (sweep, "evaluate:gguf_q8_0: building"),
                          (report, "speed: trial 2/"), (report, "decision: summarising")):
         proc = subprocess.Popen(exe + args + common + paths(killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)

@@ -16,6 +16,7 @@ import ctypes
 import functools
 import importlib.util
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -29,9 +30,18 @@ _REPEATS = 3
 
 
 def _library(tools: str = "") -> Path | None:
-    """libggml-base of llama.cpp's tools (`make llama-tools`), else one inside the llama_cpp package (a wheel built
-    with its own libraries); None if neither."""
+    """libggml-base of llama.cpp's tools (``tools``, else LLAMA_CPP_LIB_PATH, else `make llama-tools`' folder), else
+    one inside the llama_cpp package (a wheel built with its own libraries); None if none."""
+    from pipeline.infra.errors import ConfigError
+    from pipeline.infra.llama_tools import tools_dir
+
     folders = [Path(tools)] if tools else []
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        folders.append(Path(os.environ["LLAMA_CPP_LIB_PATH"]))
+    try:
+        folders.append(tools_dir())
+    except ConfigError:
+        pass
     spec = importlib.util.find_spec("llama_cpp")
     if spec is not None and spec.submodule_search_locations:
         folders += [Path(p) / "lib" for p in spec.submodule_search_locations]
