@@ -1,8 +1,10 @@
 """Shared fixtures: a tiny random llama with the embedded model's real tokenizer (converter-compatible), built in
-seconds, and config composition through the real Hydra config tree."""
+seconds, config composition through the real Hydra config tree, and a hub dataset (ARC-Easy-shaped) written into a
+datasets cache in the datasets library's own layout, for lm-eval registry tasks run offline."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -145,3 +147,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ------------------------------------------------------------------ a hub dataset in a datasets cache
+
+ARC_SPLITS = ("train", "validation", "test")
+
+
+def arc_docs(split: str, n: int = 6) -> list[dict]:
+    """ARC-Easy-shaped rows (allenai/ai2_arc's columns), each split's questions its own."""
+    return [{"id": f"{split}-{i}", "question": f"In the {split} set, which number follows {i}?",
+             "choices": {"text": [str(i + 7), str(i + 1), "a rock", "blue"], "label": ["A", "B", "C", "D"]},
+             "answerKey": "B"} for i in range(n)]
+
+
+def write_arc_easy_cache(cache: Path, scratch: Path, docs: dict[str, list[dict]], revision: str = "0123abcd") -> Path:
+    """allenai/ai2_arc's ARC-Easy config in ``cache`` exactly as ``datasets`` leaves a hub dataset it has loaded:
+    ``allenai___ai2_arc/ARC-Easy/0.0.0/<revision>/`` with ``ai2_arc-<split>.arrow`` and ``dataset_info.json``
+    (config_name ARC-Easy), written by datasets' own json builder. Offline, ``load_dataset("allenai/ai2_arc",
+    "ARC-Easy")`` finds it there through its cache module (datasets/packaged_modules/cache/cache.py)."""
+    import datasets
+    from datasets.packaged_modules.json.json import Json
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    for split, rows in docs.items():
+        (scratch / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    features = datasets.Features({
+        "id": datasets.Value("string"), "question": datasets.Value("string"),
+        "choices": {"text": datasets.Sequence(datasets.Value("string")),
+                    "label": datasets.Sequence(datasets.Value("string"))},
+        "answerKey": datasets.Value("string")})
+    builder = Json(cache_dir=str(scratch / "build"), dataset_name="ai2_arc", config_name="ARC-Easy",
+                   data_files={split: str(scratch / f"{split}.jsonl") for split in docs}, features=features)
+    folder = cache / "allenai___ai2_arc" / "ARC-Easy" / "0.0.0" / revision
+    builder.download_and_prepare(output_dir=str(folder))
+    return folder

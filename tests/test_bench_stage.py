@@ -25,11 +25,12 @@ def test_bench_entries_are_tasks_validated_when_the_config_loads():
     assert quick.bench_limit_for("humaneval") == 64 and quick.bench_limit_for("business_mc") is None
     with pytest.raises(ConfigError, match="profile.bench_limits.humaneval"):
         compose(["+profile.bench_limits.humaneval=-1"])
-    with pytest.raises(ConfigError, match=r"run\.suites='bench:nosuchtask' is not valid: .*business_mc, humaneval"):
-        compose(["run.suites=[smoke,bench:nosuchtask]"])
-    # a stock task whose data only the hub serves stops when the config loads, naming the dataset
-    with pytest.raises(ConfigError, match=r"gsm8k is lm-eval's stock task, whose data \(openai/gsm8k\) comes from"):
-        compose(["run.suites=[smoke,bench:gsm8k]"])
+    # any name lm-eval's registry could hold is accepted here, cheaply (no lm-eval, no registry walk): whether it
+    # is a task and its data is offline is the pre-flight's check (tests/test_lmeval.py)
+    assert compose(["run.suites=[smoke,bench:gsm8k,bench:arc_easy]"]).run.bench_tasks == ["gsm8k", "arc_easy"]
+    with pytest.raises(ConfigError, match=r"run\.suites='bench:no\*such' is not valid: .*business_mc, humaneval, "
+                                          r"or the name of a task of lm-eval's registry"):
+        compose(["run.suites=[smoke,'bench:no*such']"])
     with pytest.raises(ConfigError, match="at least one conversation suite"):
         compose(["run.suites=[bench:business_mc]"])
     with pytest.raises(ConfigError, match="profile.bench_limit"):
@@ -170,8 +171,9 @@ def test_the_report_states_what_ran_where_and_why_a_row_is_missing():
                             "q4": {"status": "ok", "benchmarks": {"humaneval": row}},
                             "awq": {"status": "ok", "benchmarks": {"humaneval": {"status": "skipped",
                                                                                  "reason": "no kernel here"}}}},
-               "benchmarks": {"humaneval": {"task": {"task": "humaneval", "version": "1", "data_sha256": "ab" * 32,
-                                                     "lm_eval": "0.4.13"}, "metric": "pass_at_1", "limit": None,
+               "benchmarks": {"humaneval": {"task": {"task": "humaneval", "version": "2", "data_sha256": "ab" * 32,
+                                                     "lm_eval": "0.4.13", "max_gen_toks": 1024},
+                                            "metric": "pass_at_1", "limit": None,
                                             "decoding": {"repeat_penalty": 1.0}, "reference": "original",
                                             "reference_accuracy": {"estimate": 2 / 3}, "no_signal_for_flips": False,
                                             "multiple_comparisons": "holm", "note": None,
@@ -185,6 +187,19 @@ def test_the_report_states_what_ran_where_and_why_a_row_is_missing():
     text = " ".join(str(b) for b in blocks)
     assert "every sample" in text and "no signal" not in text
     assert "`awq`: bench:humaneval not run: no kernel here" in text
+    # the reply cap it ran with, from the task's key
+    assert ("Task `humaneval` version 2, data sha256 `abababababababab`, lm-eval 0.4.13; every sample; decoding: "
+            "greedy (argmax, no repetition penalty), one sample per item, replies capped at 1024 tokens; a sample "
+            "counts as correct by `pass_at_1`.") in text
+    # a registry task: where it came from and what a sample is
+    registry = {"task": "arc_easy", "version": "1.0", "data_sha256": "cd" * 32, "lm_eval": "0.4.13",
+                "dataset": "allenai/ai2_arc (config ARC-Easy)", "source": "lm-eval registry"}
+    from pipeline.report.bench_section import task_blocks
+
+    line = task_blocks("arc_easy", {"task": registry, "metric": "acc_norm", "variants": []}, {})[0]
+    assert line.startswith("Task `arc_easy` version 1.0 from lm-eval's registry (dataset allenai/ai2_arc (config "
+                           "ARC-Easy); a sample is its doc_id), data sha256 `cdcdcdcdcdcdcdcd`")
+    assert "capped" not in line and "correct by `acc_norm`" in line
     assert ("`q4`: HumanEval completions checked in a child process, network namespace without interfaces "
             "(unshare --net) (network interfaces seen: lo), memory limit 2048 MB, time limit 3.0 s per "
             "problem.") in text

@@ -62,11 +62,23 @@ def test_cli_help_imports_no_heavy_library():
     code = ("import sys; sys.argv=['quantdrift','--help']\n"
             "import pipeline.cli as c\n"
             "try:\n    c.main()\nexcept SystemExit:\n    pass\n"
-            "heavy=[m for m in ('torch','llama_cpp','transformers','gptqmodel') if m in sys.modules]\n"
+            "heavy=[m for m in ('torch','llama_cpp','transformers','gptqmodel','lm_eval','datasets') "
+            "if m in sys.modules]\n"
             "print('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "Configuration groups" in out.stdout
     assert "HEAVY []" in out.stdout
+
+
+def test_a_registry_bench_task_is_accepted_without_importing_lm_eval():
+    """bench:TASK of lm-eval's registry is checked for its form when the config loads; the registry is looked up
+    where the task is resolved (the pre-flight), so loading the config imports neither lm-eval nor datasets."""
+    code = ("import sys\n"
+            "from pipeline.config.schema import RunSection\n"
+            "run = RunSection(suites=['smoke', 'bench:arc_easy', 'bench:gsm8k'])\n"
+            "print('TASKS', run.bench_tasks, [m for m in ('lm_eval', 'datasets') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "TASKS ['arc_easy', 'gsm8k'] []" in out.stdout, out.stderr[-2000:]
 
 
 def test_cli_unknown_variant_exits_2_listing_known_ones():

@@ -1,9 +1,13 @@
 """lm-eval on quantdrift's runtimes (pipeline.suites.lmeval): the adapter's greedy replies are the runtime's own
-free-running replies, its log-likelihoods the runtime's token log-probs; the offline tasks load and score; flips and
-McNemar on vectors with known answers. A tiny random llama on transformers and as an F16 GGUF on llama.cpp."""
+free-running replies, its log-likelihoods (rolling ones included) the runtime's token log-probs and lm-eval's own HF
+model's within 1e-4; the offline tasks load and score; a registry task runs by name from a datasets cache, or is
+refused naming the cache; flips and McNemar on vectors with known answers. A tiny random llama on transformers and
+as an F16 GGUF on llama.cpp."""
 
 import hashlib
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +15,9 @@ import pytest
 from pipeline.config.schema import PROJECT_ROOT, VariantConfig
 from pipeline.suites.lmeval import flips
 from pipeline.suites.lmeval.sandbox import check_completions
-from pipeline.suites.lmeval.tasks import TASKS, get_task, load_docs
+from pipeline.suites.lmeval.tasks import TASKS, get_task, load_docs, sample_count
 from pipeline.infra.errors import ConfigError
+from tests.conftest import ARC_SPLITS, arc_docs, write_arc_easy_cache
 
 CONTEXT = ("Customer Aoife Brennan reports that invoice INV-20931 for EUR 1,249.50 was charged twice on 3 March. "
            "Please confirm the refund timeline in your reply.\nReply:")
@@ -45,7 +50,7 @@ def built(tmp_path_factory, tiny_tokenizer_dir):
 RUNTIMES = ["hf", "llamacpp"]
 
 
-def _lm(built, runtime: str, *overrides: str):
+def _lm(built, runtime: str, *overrides: str, n_ctx: int = 512):
     from pipeline.suites.lmeval.adapter import RuntimeLM
     from tests.conftest import compose
 
@@ -56,7 +61,7 @@ def _lm(built, runtime: str, *overrides: str):
     else:
         cfg.variant = VariantConfig(name="gguf_f16", runtime="llamacpp")
         path = built["f16"].path
-    return RuntimeLM.for_variant(cfg, path, built["tok"], built["original"].facts["eos_token_ids"], n_ctx=512)
+    return RuntimeLM.for_variant(cfg, path, built["tok"], built["original"].facts["eos_token_ids"], n_ctx=n_ctx)
 
 
 def _counting(rt):
@@ -153,8 +158,24 @@ def test_loglikelihood_is_the_sum_of_the_runtimes_token_logprobs(built, runtime)
     lm.runtime.reset()
     reply = lm.runtime.generate(ctx, 3, []).ids
     assert lm._loglikelihood_tokens([(("", ""), ctx, reply)])[0][1] is True
-    with pytest.raises(NotImplementedError, match="loglikelihood_rolling"):
-        lm.loglikelihood_rolling([])
+
+    # loglikelihood_rolling: every token of the text scored once, the first after the prefix token, in windows of
+    # max_length tokens; the total is the sum of the runtime's own log-probs over the windows
+    text = CONTEXT * 2
+    tokens = lm.tok_encode(text)
+    for window in (512, 8):
+        lm.max_length = window
+        windows = lm.rolling_windows(text)
+        assert [t for _, cont in windows for t in cont] == tokens
+        assert windows[0][0] == [lm.prefix_token_id] and all(len(c) + len(w) - 1 <= window for c, w in windows)
+        assert len(windows) == (1 if window == 512 else -(-len(tokens) // window)) and len(tokens) > 2 * 8
+        expected = 0.0
+        for ctx_ids, cont in windows:
+            ids = ctx_ids + cont
+            rows = lm.runtime.logprobs(ids[:-1], list(range(len(ctx_ids) - 1, len(ids) - 1)))
+            expected += float(sum(rows[i, t] for i, t in enumerate(cont)))
+        got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+        assert got[0] == pytest.approx(expected, rel=1e-6, abs=1e-5) and got[0] < 0
     lm.runtime.close()
 
 
@@ -220,12 +241,14 @@ def test_humaneval_runs_through_lm_eval_with_its_checks_confined(built, tmp_path
     from pipeline.suites.lmeval.tasks import run_task
 
     _needs_confinement()
-    lm = _lm(built, "hf", "runtime.repeat_penalty=1.0")
+    # the bench stage's context (BENCH_CONTEXT_TOKENS): the prompt and lm-eval's 1024-token reply cap fit
+    lm = _lm(built, "hf", "runtime.repeat_penalty=1.0", n_ctx=2048)
     out = run_task(lm, "humaneval", tmp_path / "datasets", limit=1)
     assert [s["id"] for s in out["samples"]] == ["HumanEval/0"]
     assert all(s["correct"] is False and s["outcome"] for s in out["samples"])     # a random model solves nothing
     assert out["metrics"] == {"pass_at_1": 0.0}
-    assert all(r["prompt_tokens"] > 0 and r["reply_tokens"] <= 384 for r in lm.log)
+    assert all(r["prompt_tokens"] > 0 and r["reply_tokens"] <= 1024 for r in lm.log)
+    assert out["task"]["max_gen_toks"] == 1024 and out["task"]["version"] == "2"
     assert out["sandbox"]["timeout_s"] == 3.0 and out["sandbox"]["sandboxed"] is True
     assert out["sandbox"]["confinement"].startswith("bubblewrap")
     lm.runtime.close()
@@ -271,9 +294,20 @@ def test_humaneval_loads_and_a_canonical_solution_passes_while_a_wrong_one_fails
     assert not results[5]["passed"] and "unreachable" in results[5]["result"].lower(), results[5]
 
 
-def test_an_unknown_task_names_the_known_ones():
-    with pytest.raises(ConfigError, match="business_mc"):
-        get_task("gsm8k")
+def test_humaneval_caps_replies_as_lm_evals_own_task(tmp_path):
+    """The reply cap is the installed lm-eval humaneval task's max_gen_toks (1024 in 0.4.13, not the 384 of version
+    1 of this task), with its stop strings; the cap is in the task's key, so results capped otherwise are not
+    reused."""
+    import lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    theirs = load_yaml(Path(lm_eval.__file__).parent / "tasks" / "humaneval" / "humaneval.yaml", resolve_func=False)
+    ours = get_task("humaneval").config(tmp_path)
+    assert ours["generation_kwargs"]["max_gen_toks"] == theirs["generation_kwargs"]["max_gen_toks"] == 1024
+    assert ours["generation_kwargs"]["until"] == theirs["generation_kwargs"]["until"]
+    key = get_task("humaneval").key()
+    assert key["max_gen_toks"] == 1024 and key["version"] == "2"
+    assert "max_gen_toks" not in get_task("business_mc").key()       # it generates nothing
     assert set(TASKS) == {"humaneval", "business_mc"}
 
 
@@ -363,12 +397,9 @@ def bos_model(tmp_path_factory, tiny_tokenizer_dir):
     return model, bos_id
 
 
-def test_the_adapter_encodes_and_scores_as_lm_evals_own_hf_model_on_a_bos_adding_tokenizer(bos_model, tmp_path):
-    """lm-eval's own HF model and the adapter on the same checkpoint (float32 on both): the same token ids for
-    every context (a BOS first, as the tokenizer adds it; none twice when the text starts with it) and the same
-    log-likelihoods of business_mc's first questions within 1e-4, with the same greedy flags."""
-    from lm_eval.api.instance import Instance
-    from lm_eval.models.huggingface import HFLM
+@pytest.fixture(scope="module")
+def bos_original(bos_model, tmp_path_factory):
+    """The BOS-adding tiny llama prepared as the original, and a factory of the adapter on it (float32)."""
     from transformers import AutoTokenizer
 
     from pipeline.suites.lmeval.adapter import RuntimeLM
@@ -376,13 +407,31 @@ def test_the_adapter_encodes_and_scores_as_lm_evals_own_hf_model_on_a_bos_adding
     from tests.conftest import compose
 
     model, bos_id = bos_model
-    cfg = compose([f"model.source={model}", "model.name=tiny-bos", f"paths.artifacts={tmp_path / 'artifacts'}",
+    root = tmp_path_factory.mktemp("bos-original")
+    cfg = compose([f"model.source={model}", "model.name=tiny-bos", f"paths.artifacts={root / 'artifacts'}",
                    f"paths.cache={PROJECT_ROOT / '.cache'}"])
     original = prepare(cfg.model, cfg.model_dir)
     tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
     cfg.variant = VariantConfig(name="original", runtime_options={"dtype": "float32"})
-    ours = RuntimeLM.for_variant(cfg, original.checkpoint, tok, original.facts["eos_token_ids"], n_ctx=512)
-    theirs = HFLM(pretrained=str(original.checkpoint), device="cpu", dtype="float32", batch_size=1)
+
+    def adapter(max_length: int = 512):
+        lm = RuntimeLM.for_variant(cfg, original.checkpoint, tok, original.facts["eos_token_ids"], n_ctx=512)
+        lm.max_length = max_length
+        return lm
+
+    return {"checkpoint": str(original.checkpoint), "bos_id": bos_id, "adapter": adapter}
+
+
+def test_the_adapter_encodes_and_scores_as_lm_evals_own_hf_model_on_a_bos_adding_tokenizer(bos_original):
+    """lm-eval's own HF model and the adapter on the same checkpoint (float32 on both): the same token ids for
+    every context (a BOS first, as the tokenizer adds it; none twice when the text starts with it) and the same
+    log-likelihoods of business_mc's first questions within 1e-4, with the same greedy flags."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    bos_id = bos_original["bos_id"]
+    ours = bos_original["adapter"]()
+    theirs = HFLM(pretrained=bos_original["checkpoint"], device="cpu", dtype="float32", batch_size=1)
     try:
         for text in ("Question: How many days are in a week?\nAnswer:", "<|im_start|>already there"):
             assert ours.tok_encode(text) == theirs.tok_encode(text)
@@ -395,3 +444,161 @@ def test_the_adapter_encodes_and_scores_as_lm_evals_own_hf_model_on_a_bos_adding
         assert max(abs(x - y) for (x, _), (y, _) in zip(a, b)) < 1e-4
     finally:
         ours.runtime.close()
+
+
+ROLLING_TEXTS = ["Invoice INV-20931 was paid.",
+                 "<|im_start|>A text that starts with the BOS text itself.",
+                 CONTEXT + " The refund of EUR 1,249.50 reaches the card within five working days of approval, "
+                           "and the duplicate charge is reversed on the same day."]
+
+
+def test_loglikelihood_rolling_matches_lm_evals_own_hf_model(bos_original):
+    """lm-eval's HF model and the adapter on the same float32 checkpoint, both with a 16-token window: the same
+    rolling windows (same ids, the same prefix token) and the same summed log-likelihood within 1e-4 for each
+    text, one of them spanning several windows."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    ours = bos_original["adapter"](max_length=16)
+    theirs = HFLM(pretrained=bos_original["checkpoint"], device="cpu", dtype="float32", batch_size=1, max_length=16)
+    try:
+        assert theirs.max_length == ours.max_length == 16 and theirs.prefix_token_id == ours.prefix_token_id
+        for text in ROLLING_TEXTS:
+            hf_windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=theirs.tok_encode(text), prefix_token=theirs.prefix_token_id,
+                max_seq_len=theirs.max_length, context_len=1)]
+            assert ours.rolling_windows(text) == hf_windows
+        assert len(ours.rolling_windows(ROLLING_TEXTS[-1])) >= 4, "the long text must span several windows"
+        requests = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(ROLLING_TEXTS)]
+        a, b = ours.loglikelihood_rolling(requests), theirs.loglikelihood_rolling(requests)
+        assert len(a) == len(b) == len(ROLLING_TEXTS) and all(x < 0 for x in a)
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
+    finally:
+        ours.runtime.close()
+
+
+# ------------------------------------------------------------------ any task of lm-eval's registry, offline
+
+def test_a_registry_task_runs_by_name_from_the_datasets_cache(bos_original, tmp_path, monkeypatch):
+    """bench:arc_easy, lm-eval's own task config, its data read offline from a datasets cache holding
+    allenai/ai2_arc: the test split's first documents scored as lm-eval scores them, a sample per doc_id, counted
+    right by acc_norm; the key holds the task, its config's version, lm-eval's version and the data's sha256."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    from lm_eval.api.instance import Instance
+
+    from pipeline.suites.lmeval.registry import fingerprint
+    from pipeline.suites.lmeval.tasks import run_task
+
+    cache = tmp_path / "hf-datasets"
+    docs = {split: arc_docs(split) for split in ARC_SPLITS}
+    folder = write_arc_easy_cache(cache, tmp_path / "scratch", docs)
+    assert sorted(p.name for p in folder.iterdir()) == ["ai2_arc-test.arrow", "ai2_arc-train.arrow",
+                                                        "ai2_arc-validation.arrow", "dataset_info.json"]
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    offline_before = (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
+
+    task = get_task("arc_easy")
+    assert (task.correct, task.filter, task.version, task.generates) == ("acc_norm", "none", "1.0", False)
+    assert sorted(task.data_files) == sorted(p for p in folder.iterdir())
+    lm = bos_original["adapter"]()
+    try:
+        out = run_task(lm, "arc_easy", tmp_path / "scratch-datasets", limit=4)
+        test = docs["test"][:4]
+        assert [s["id"] for s in out["samples"]] == ["0", "1", "2", "3"]          # lm-eval's doc_id
+        assert (out["correct_metric"], out["sample_id"]) == ("acc_norm", "doc_id")
+        for s, d in zip(out["samples"], test):
+            lls = [ll for ll, _ in lm.loglikelihood([Instance("loglikelihood", {}, (
+                f"Question: {d['question']}\nAnswer:", f" {c}"), 0) for c in d["choices"]["text"]])]
+            assert [r[0] for r in s["response"]] == pytest.approx(lls, rel=1e-6, abs=1e-6)   # the test split's
+            per_char = np.asarray(lls) / [len(c) for c in d["choices"]["text"]]
+            assert s["correct"] == bool(s["metrics"]["acc_norm"]) == (int(np.argmax(per_char)) == 1)
+            assert s["metrics"]["acc"] == (int(np.argmax(lls)) == 1) and s["target"] == 1
+        assert set(out["metrics"]) == {"acc", "acc_norm"}
+        assert out["metrics"]["acc_norm"] == pytest.approx(np.mean([s["correct"] for s in out["samples"]]))
+    finally:
+        lm.runtime.close()
+    key = out["task"]
+    assert {k: key[k] for k in ("task", "version", "lm_eval", "source")} == {
+        "task": "arc_easy", "version": "1.0", "lm_eval": "0.4.13", "source": "lm-eval registry"}
+    h = hashlib.sha256()
+    for f in sorted(folder.iterdir(), key=lambda p: p.name):
+        h.update(f"{f.name}\0{hashlib.sha256(f.read_bytes()).hexdigest()}\n".encode())
+    assert key["data_sha256"] == h.hexdigest() == fingerprint(task.data_files)
+    assert sample_count("arc_easy") == 6                                       # the test split's documents
+    # the hub (switched off while it ran: hub_offline) is as it was afterwards
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == offline_before
+
+    # other data under the same name: another key (another cache, one question changed)
+    changed = {**docs, "test": [{**docs["test"][0], "question": "Changed?"}] + docs["test"][1:]}
+    other = tmp_path / "hf-datasets-2"
+    write_arc_easy_cache(other, tmp_path / "scratch-2", changed)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(other))
+    assert get_task("arc_easy").key()["data_sha256"] != key["data_sha256"]
+
+
+def test_the_hub_is_off_inside_hub_offline_whatever_the_environment_said_at_import(monkeypatch):
+    """datasets and huggingface_hub read HF_HUB_OFFLINE once, at import: hub_offline switches both off for the
+    block (and the variables for any child), and puts everything back after."""
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    from pipeline.suites.lmeval.registry import hub_offline
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    with hub_offline():
+        assert datasets.config.HF_HUB_OFFLINE is True and hub.is_offline_mode() is True
+        assert os.environ["HF_DATASETS_OFFLINE"] == os.environ["HF_HUB_OFFLINE"] == "1"
+    assert datasets.config.HF_HUB_OFFLINE is False and hub.HF_HUB_OFFLINE is False
+    assert "HF_DATASETS_OFFLINE" not in os.environ
+
+
+def test_a_registry_task_without_its_data_is_refused_naming_the_task_and_the_cache(tmp_path, monkeypatch):
+    """An empty datasets cache: bench:arc_easy is refused before anything runs (the pre-flight's check), naming the
+    task, its dataset and the cache folder looked in; nothing is fetched."""
+    from pipeline.stages.lmeval_tasks import bench_problems
+    from tests.conftest import compose
+
+    cache = tmp_path / "empty-cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    with pytest.raises(ConfigError) as exc:
+        get_task("arc_easy")
+    message = str(exc.value)
+    assert "bench:arc_easy" in message and "allenai/ai2_arc" in message and str(cache) in message
+    assert str(cache / "allenai___ai2_arc" / "ARC-Easy") in message
+    cfg = compose(["run.suites=[smoke,bench:arc_easy,bench:business_mc]"])
+    assert cfg.run.bench_tasks == ["arc_easy", "business_mc"]       # accepted by the config, refused here
+    assert bench_problems(cfg) == [message]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, match", [
+    ("arc_eazy", r"bench:arc_eazy is neither a local task \(business_mc, humaneval\) nor a task of lm-eval "
+                 r"0\.4\.13's registry .*close names: arc_easy"),
+    ("ai2_arc", r"bench:ai2_arc is a tag of lm-eval's registry, not one task: name one of its tasks, e\.g\. "
+                r"arc_easy"),
+    ("wikitext", r"bench:wikitext: output type loglikelihood_rolling .* no per-sample right/wrong metric"),
+    ("mbpp", r"bench:mbpp executes model-written code"),
+])
+def test_registry_names_that_cannot_be_a_bench_task_are_refused_with_why(name, match, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match=match):
+        get_task(name)
+
+
+@pytest.mark.slow
+def test_every_task_of_lm_evals_registry_passes_the_config_check():
+    """The config's cheap check on a bench:TASK name (its form only) lets through every task lm-eval 0.4.13's whole
+    registry holds, and no name with a character none of them uses."""
+    from lm_eval.tasks import TaskManager
+
+    from pipeline.config.bench_tasks import valid_task_name
+
+    names = TaskManager().all_subtasks
+    assert len(names) > 10_000 and [n for n in names if not valid_task_name(n)] == []
+    assert not any(valid_task_name(n) for n in ("no*such", "a b", "x/y", "", "-x"))

@@ -79,3 +79,21 @@ def test_make_plan_on_a_local_folder_finds_it_without_preparing_anything(tmp_pat
     with pytest.raises(ConfigError, match=r"(?s)before any stage ran.*has no chat template"):
         run(cfg)
     assert not (cfg.model_dir / "original").exists()
+
+
+def test_a_registry_bench_task_without_its_data_stops_the_run_before_any_stage(tmp_path, tiny_llama, monkeypatch):
+    """bench:arc_easy (lm-eval's registry) with an empty datasets cache: the pre-flight stops the run naming the task
+    and the cache folder, nothing measured; with allenai/ai2_arc's ARC-Easy in the cache it passes."""
+    from tests.conftest import ARC_SPLITS, arc_docs, write_arc_easy_cache
+
+    cache = tmp_path / "datasets-cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    cfg = _cfg(tiny_llama, tmp_path, "run.variants=[original]", "run.suites=[smoke,bench:arc_easy]")
+    with pytest.raises(ConfigError, match=r"(?s)before any stage ran.*- bench:arc_easy: its dataset allenai/ai2_arc "
+                                          r"\(config ARC-Easy\) is not available offline in the datasets cache "
+                                          + str(cache).replace(".", r"\.")):
+        run(cfg)
+    assert _nothing_measured(cfg)
+    write_arc_easy_cache(cache, tmp_path / "scratch", {split: arc_docs(split) for split in ARC_SPLITS})
+    assert run(cfg) == 0

@@ -16,8 +16,7 @@ from pipeline.config.settings import require as _require
 from pipeline.config.commands import (BenchConfig, CalibrationSweepConfig, CapacityConfig, CorpusConfig, DecisionConfig,
                                       LoadConfig, RegressConfig, WorkloadConfig)
 from pipeline.infra.cpus import usable_cpus
-from pipeline.config.bench_tasks import TASK_NAMES as BENCH_TASKS
-from pipeline.config.bench_tasks import unknown_task_message
+from pipeline.config.bench_tasks import unknown_task_message, valid_task_name
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -323,7 +322,7 @@ class RunSection:
                  self.suites, "a list of suite names and bench:TASK entries")
         tasks = [s[len(BENCH_PREFIX):] for s in self.suites if s.startswith(BENCH_PREFIX)]
         for task in tasks:
-            _require(task in BENCH_TASKS, "run.suites", BENCH_PREFIX + task, unknown_task_message(task))
+            _require(valid_task_name(task), "run.suites", BENCH_PREFIX + task, unknown_task_message(task))
         _require(len(set(tasks)) == len(tasks), "run.suites", self.suites, "each bench:TASK once")
         self.bench_tasks = tasks
         self.suites = [s for s in self.suites if not s.startswith(BENCH_PREFIX)]

