@@ -126,11 +126,13 @@ def test_gpu_check_passes_when_every_variant_ran_on_the_gpu_and_names_each_failu
     s["variants"]["gguf_q4_k_m"]["runtime_info"]["offloaded_layers"] = "20/31"
     s["variants"]["awq_w4"] = {"status": "skipped", "reason": "no CUDA kernel"}
     s["variants"]["gptq_w4"]["device_memory"] = None
+    s["variants"]["gguf_q8_0"]["runtime_info"]["torch_in_process"] = True
     del s["variants"]["original+kv_int8"]
     table, ok = check(s)
     assert not ok
     for why in ("ran on 'cpu', not cuda", "offloaded 20/31 layers (expected all)", "skipped: no CUDA kernel",
-                "no device memory measured", "not in the summary"):
+                "no device memory measured", "not in the summary",
+                "llama.cpp loaded in a process that had imported torch"):
         assert why in table, why
     s = _gpu_summary()
     s["reference"]["parity"]["ok"] = False

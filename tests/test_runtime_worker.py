@@ -41,7 +41,11 @@ def test_the_process_that_loads_a_gguf_has_no_torch_and_gives_the_same_figures(g
     try:
         assert isinstance(rt, WorkerRuntime)
         assert rt.process["torch_loaded"] is False and rt.process["pid"] != os.getpid()
-        assert rt.info == inline.info and rt.batched is True and rt.n_ctx == 256
+        assert rt.info["torch_in_process"] is False and inline.info["torch_in_process"] is True
+        assert {**rt.info, "torch_in_process": None} == {**inline.info, "torch_in_process": None}
+        assert rt.batched is True and rt.n_ctx == 256
+        # an instance attribute that shadows a class default is the instance's (the class's choice is plain greedy)
+        assert rt.choice == inline.choice and rt.choice.repeat_penalty == gguf_cfg.runtime.repeat_penalty != 1.0
         ids = list(range(100, 160))
         positions = list(range(20, 59))
         cand = np.asarray(ids[21:60])[:, None]

@@ -31,6 +31,8 @@ def problems(name: str, v: dict | None) -> list[str]:
     kernel = str(info.get("kernel") or "")
     if "cpu" in kernel.lower() or any(k in kernel for k in CPU_KERNELS):
         out.append(f"kernel {kernel!r} is a CPU one")
+    if info.get("torch_in_process"):        # llama.cpp's CUDA backend beside torch's (pipeline.runtimes.worker)
+        out.append("llama.cpp loaded in a process that had imported torch")
     if "offloaded_layers" in info:          # a runtime that offloads layer by layer (llama.cpp) says how many
         layers = info["offloaded_layers"]
         if not layers or layers.split("/")[0] != layers.split("/")[1]:

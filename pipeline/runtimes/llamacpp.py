@@ -6,6 +6,7 @@ import contextlib
 import io
 import logging
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -204,6 +205,8 @@ class LlamaCppRuntime(LlamaCppBatching, FullLogitsRuntime):
             "file": path.name,
             # llama.cpp's own count from its load log ("offloaded 31/31 layers to GPU"; 0/N on the CPU, None unlogged)
             "offloaded_layers": (m.group(1) + "/" + m.group(2)) if (m := _OFFLOAD_LINE.search(self._load_log)) else None,
+            # whether the process that loaded the file had imported torch (never, by pipeline.runtimes.worker)
+            "torch_in_process": "torch" in sys.modules,
         }
         if self.placement is not None:
             self.info["placement"] = {**self.placement.row(), "tensor_split": kwargs.get("tensor_split")}

@@ -8,11 +8,11 @@ suspected cause of a SIGSEGV at llama.cpp's first CUDA model load in a pipeline 
 load when torch is in its modules) and answers the caller's method calls over a socket pair. The same path runs on
 the CPU, where it is tested, and on CUDA.
 
-The proxy answers as the runtime does: class attributes and classmethods from the class itself, methods and
-instance attributes (``info``, ``choice``, ``n_ctx`` ...) from the worker, generator methods (``logprob_blocks``)
-block by block. An exception in the worker is raised again in the caller (its type kept where it pickles); a
-worker that dies (a signal, an abort inside llama.cpp) is a RuntimeError naming how it ended. ``close`` stops the
-worker; the parent-death signal and a finalizer stop it on every other exit path.
+The proxy answers as the runtime does: classmethods from the class itself, methods and attributes (``info``,
+``choice``, ``n_ctx`` ...) from the worker, a method's generator (``logprob_blocks``) block by block. An exception
+in the worker is raised again in the caller (its type kept where it pickles); a worker that dies (a signal, an
+abort inside llama.cpp) is a RuntimeError naming how it ended. ``close`` stops the worker; the parent-death signal
+and a finalizer stop it on every other exit path.
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ class WorkerRuntime:
             return getattr(self._cls, name)
         if inspect.isfunction(static):
             return self._call(name)
-        if static is _MISSING or isinstance(static, property):
-            return self._request(("get", name), f"reading {name}")
-        return static                                            # a class constant (name, batched, Settings ...)
+        # anything else is read where the runtime lives: an instance attribute may shadow a class default
+        # (``choice``: the class's plain greedy, the instance's from runtime.repeat_*)
+        return self._request(("get", name), f"reading {name}")
 
     def close(self) -> None:
         """Close the runtime in the worker and stop the worker."""
