@@ -133,6 +133,8 @@ def test_a_bench_task_runs_on_each_variants_runtime_into_summary_and_report(tiny
         assert row["status"] == "ok" and row["samples"] == 6 and row["metric"] == "acc_norm"
         assert row["accuracy"]["estimate"] == pytest.approx(sum(answers[name].values()) / 6)
         assert row["decoding"]["repeat_penalty"] == 1.0 and row["task_key"] == task["task"]
+        # per category, joined from the data file: the first 6 questions are all units
+        assert list(row["by_category"]) == ["units"] and row["by_category"]["units"]["samples"] == 6
     o, q = answers["original"], answers["gguf_f16"]
     row = summary["variants"]["gguf_f16"]["benchmarks"]["business_mc"]
     assert row["correct_to_wrong"] == sum(o[i] and not q[i] for i in o)
@@ -150,6 +152,7 @@ def test_a_bench_task_runs_on_each_variants_runtime_into_summary_and_report(tiny
     assert "**bench:business_mc**" in section and "the first 6 samples" in section
     assert "| variant | acc_norm accuracy [CI] | recovery [CI] | correct→wrong | wrong→correct |" in section
     assert "| gguf_f16 | " in section and "| original (reference) | " in section
+    assert "| category | samples | original (reference) | gguf_f16 |" in section and "| units | 6 | " in section
     # a second run reuses every bench stage
     before = _stage_manifests(tmp_path / "artifacts")
     assert len(before) == 2

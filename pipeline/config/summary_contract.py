@@ -122,6 +122,19 @@ BENCH_ROW_FIELDS = {
     "sandbox": ["object", "null"],           # how model-written code was confined (HumanEval), else null
     "wall_s": ["number", "null"],
 }
+# Fields a row may lack (a summary written before them, a task without them): field -> JSON schema.
+BENCH_CATEGORY = {"type": "object", "required": ["samples", "correct", "accuracy", "correct_to_wrong",
+                                                 "wrong_to_correct"],
+                  "properties": {"samples": {"type": "integer"}, "correct": {"type": "integer"},
+                                 "accuracy": {"type": ["number", "null"]},
+                                 "correct_to_wrong": {"type": ["integer", "null"]},
+                                 "wrong_to_correct": {"type": ["integer", "null"]}},
+                  "additionalProperties": False}
+BENCH_ROW_OPTIONAL_FIELDS = {
+    # per category of a task whose samples carry one (business_mc), in the data file's order: samples, right
+    # answers, accuracy, and the flips against the original (null for the original and without its answers)
+    "by_category": {"type": "object", "additionalProperties": BENCH_CATEGORY},
+}
 BENCH_TASK_FIELDS = {
     "task": "object", "metric": "string", "limit": ["integer", "null"], "decoding": ["object", "null"],
     "reference": ["string", "null"], "reference_accuracy": ["object", "null"],
@@ -191,7 +204,8 @@ def summary_schema() -> dict:
     adjusted_test = {"type": "object", "required": ["p", "p_adjusted", "method"],
                      "properties": {"p": p_value, "p_adjusted": p_value,
                                     "method": {"enum": ["holm", "bonferroni", "none"]}}}
-    bench_row = {"type": "object", "required": sorted(BENCH_ROW_FIELDS), "properties": _typed(BENCH_ROW_FIELDS),
+    bench_row = {"type": "object", "required": sorted(BENCH_ROW_FIELDS),
+                 "properties": {**_typed(BENCH_ROW_FIELDS), **_typed(BENCH_ROW_OPTIONAL_FIELDS)},
                  "additionalProperties": False}
     other_row = {"type": "object", "required": ["status", "reason"],
                  "properties": {"status": {"const": "skipped"}, "reason": {"type": ["string", "null"]}},

@@ -2,7 +2,11 @@
 lm-eval's version, a generating task's reply cap), the metric that counts a sample right, the sample limit and the decoding; per variant, the task's metrics, its accuracy with a 95 %
 bootstrap interval and, against the original's answers to the same samples, recovery (accuracy ÷ the original's)
 with its paired interval, the flips each way, the exact McNemar p-value and its family-wise adjusted value over the
-task's variants (``pipeline.suites.lmeval.flips``). Read from the bench stages' rows (``pipeline.stages.lmeval_tasks``)."""
+task's variants (``pipeline.suites.lmeval.flips``). Read from the bench stages' rows (``pipeline.stages.lmeval_tasks``).
+
+A task whose documents carry a ``category`` (business_mc) also has, per variant, ``by_category``: each category's
+samples, right answers, accuracy and flips against the original; the category is joined by sample id from the
+task's data file, and only onto a stage that ran on that very file (its sha256 in the stage's task key)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from pipeline.infra.errors import ConfigError
 from pipeline.infra.files import read_json, read_jsonl
 from pipeline.figures.stats import NO_SIGNAL_PASS_RATE
 from pipeline.suites.lmeval import flips
-from pipeline.suites.lmeval.tasks import get_task
+from pipeline.suites.lmeval.tasks import get_task, load_docs
 
 REFERENCE = "original"
 
@@ -30,6 +34,34 @@ def _spec(task: str) -> dict:
     except ConfigError as exc:
         return {"key": {"task": task}, "metric": "unknown", "note": f"bench:{task} not resolved here: {exc}"}
     return {"key": spec.key(), "metric": spec.correct}
+
+
+def sample_categories(task: str) -> tuple[str, dict[str, str]] | None:
+    """(the data file's sha256, sample id -> category in the file's order) for a task whose every document names
+    its category; None otherwise (or where the task's data cannot be read here)."""
+    try:
+        spec = get_task(task)
+        docs = load_docs(task)
+        sha = spec.data_sha256
+    except (ConfigError, OSError):
+        return None
+    if not docs or not all(d.get("category") for d in docs):
+        return None
+    return sha, {str(d[spec.sample_id]): str(d["category"]) for d in docs}
+
+
+def attach_categories(task: str, rows: dict[str, dict], answers: dict[str, dict[str, bool]],
+                      reference: str | None) -> None:
+    """Each ok row's ``by_category`` (``flips.by_category``) where its stage ran on the task's current data file;
+    the flips against ``reference`` (whose answers the caller has paired with every row's) where it did too."""
+    known = sample_categories(task)
+    if known is None:
+        return
+    sha, categories = known
+    same = {n for n in answers if (rows[n].get("task_key") or {}).get("data_sha256") == sha}
+    ref = answers[reference] if reference in same else None
+    for name in same:
+        rows[name]["by_category"] = flips.by_category(categories, answers[name], None if name == reference else ref)
 
 
 def task_summary(task: str, results: dict[str, dict], seed: int = 0, method: str = "holm") -> tuple[dict, dict]:
@@ -67,13 +99,16 @@ def task_summary(task: str, results: dict[str, dict], seed: int = 0, method: str
     if REFERENCE not in answers:
         entry["note"] = entry["note"] or (f"no answers of {REFERENCE!r} to bench:{task} in this run: accuracy "
                                           "only, no recovery or flips")
+        attach_categories(task, rows, answers, None)
         return entry, rows
     others = {n: a for n, a in answers.items() if n != REFERENCE}
     try:
         compared = flips.compare_variants(answers[REFERENCE], others, seed, method)
     except ValueError as exc:        # the variants answered other samples (another limit or data file)
         entry["note"] = f"no flips: {exc}"
+        attach_categories(task, rows, answers, None)
         return entry, rows
+    attach_categories(task, rows, answers, REFERENCE)
     entry.update(reference=REFERENCE, reference_accuracy=rows[REFERENCE]["accuracy"],
                  no_signal_for_flips=bool(rows[REFERENCE]["accuracy"]["estimate"] < NO_SIGNAL_PASS_RATE))
     # the original against itself: recovery 1 [1, 1], no flips; never in the family of tests (it is the reference)

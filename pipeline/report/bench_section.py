@@ -1,7 +1,8 @@
 """The report's benchmark section: per ``bench:TASK`` of the run, one table of the variants (the task's metric,
 accuracy and recovery with their 95 % intervals, the flips each way, the exact McNemar p and its family-wise
-adjusted value), the task's identity, limit, decoding and reply cap (a generating task), and how HumanEval's
-model-written code was confined.
+adjusted value), the task's identity, limit, decoding and reply cap (a generating task), how HumanEval's
+model-written code was confined, and for a task whose rows carry ``by_category`` (business_mc) a table of each
+category's accuracy and flips per variant.
 Read from ``summary["benchmarks"]`` and each variant's ``benchmarks`` rows (``pipeline.decide.bench_summary``)."""
 
 from __future__ import annotations
@@ -24,6 +25,34 @@ def _sandbox_line(name: str, sb: dict) -> str:
                if sb.get("network_interfaces") is not None else "")
             + f", memory limit {sb.get('memory_mb')} MB, time limit {sb.get('timeout_s')} s per problem"
             + ("" if sb.get("sandboxed") else "; NOT confined (bench.allow_unconfined=true)") + ".")
+
+
+def _category_cell(c: dict | None, samples: int | None) -> str:
+    if c is None:
+        return "–"
+    cell = f"{c['accuracy']:.0%}" if c["samples"] == samples else f"{c['correct']}/{c['samples']}"
+    if c.get("correct_to_wrong") is not None:
+        cell += f" ({c['correct_to_wrong']} / {c['wrong_to_correct']})"
+    return cell
+
+
+def category_blocks(task: str, entry: dict, variants: dict) -> list:
+    """A row per category (in the data file's order), a column per variant with its ``by_category``; nothing when
+    no row has one (a task without categories, a summary written before them)."""
+    per = {n: row["by_category"] for n in entry.get("variants") or []
+           if (row := (variants.get(n, {}).get("benchmarks") or {}).get(task) or {}).get("by_category")}
+    if not per:
+        return []
+    ref = entry.get("reference")
+    head = ["category", "samples", *(n + (" (reference)" if n == ref else "") for n in per)]
+    rows = []
+    for cat in dict.fromkeys(c for cats in per.values() for c in cats):
+        samples = (per.get(ref, {}).get(cat) or next(p[cat] for p in per.values() if cat in p))["samples"]
+        rows.append([cat, str(samples), *(_category_cell(p.get(cat), samples) for p in per.values())])
+    return [f"Per category: the share answered right by `{entry.get('metric')}`, and in brackets the flips against "
+            "the original (correct→wrong / wrong→correct). A category holds few samples (at 32, a share's 95 % "
+            "interval spans about ±17 points): it shows where answers were lost, not a test of its own.",
+            (head, rows)]
 
 
 def task_blocks(task: str, entry: dict, variants: dict) -> list:
@@ -69,7 +98,7 @@ def task_blocks(task: str, entry: dict, variants: dict) -> list:
         blocks.append(entry["note"] + ".")
     if notes:
         blocks.append(notes)
-    return blocks
+    return blocks + category_blocks(task, entry, variants)
 
 
 def bench_section(summary: dict) -> tuple | None:

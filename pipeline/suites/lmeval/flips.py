@@ -97,6 +97,32 @@ def accuracy(outcome: Mapping[str, bool], seed: int = 0) -> dict | None:
     return _proportion(x, seed)
 
 
+def by_category(categories: Mapping[str, str], outcome: Mapping[str, bool],
+                reference: Mapping[str, bool] | None = None) -> dict[str, dict]:
+    """Per category of the samples (``categories``: sample id -> category, in the data file's order, which the
+    result keeps): how many samples ``outcome`` answered there, how many right and their share, and against the
+    ``reference``'s answers to the same samples the flips each way (None without a reference). Samples of
+    ``outcome`` that ``categories`` lacks are left out; a category none of whose samples were answered (a limited
+    run) is absent."""
+    out: dict[str, dict] = {}
+    for sid, category in categories.items():
+        if sid not in outcome:
+            continue
+        c = out.setdefault(category, {"samples": 0, "correct": 0, "accuracy": None,
+                                      "correct_to_wrong": None if reference is None else 0,
+                                      "wrong_to_correct": None if reference is None else 0})
+        right = bool(outcome[sid])
+        c["samples"] += 1
+        c["correct"] += right
+        if reference is not None:
+            was = bool(reference[sid])
+            c["correct_to_wrong"] += was and not right
+            c["wrong_to_correct"] += right and not was
+    for c in out.values():
+        c["accuracy"] = c["correct"] / c["samples"]
+    return out
+
+
 def outcomes(samples: list[dict]) -> dict[str, bool]:
     """sample id -> correct, from ``tasks.run_task``'s samples."""
     return {s["id"]: bool(s["correct"]) for s in samples}
