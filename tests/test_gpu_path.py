@@ -171,6 +171,10 @@ def test_gpu_check_main_reads_a_results_folder(tmp_path, capsys):
     assert main([str(tmp_path)]) == 0
     assert "every CUDA path ran on the GPU" in capsys.readouterr().out
     assert main([str(tmp_path / "nowhere")]) == 2
+    # the variants a run was asked for: one that is not in it fails; the others are not judged
+    assert main(["--variants", "original,gguf_f16", str(tmp_path)]) == 0
+    assert main(["--variants", "original,gguf_q2_k", str(tmp_path)]) == 1
+    assert "not in the summary" in capsys.readouterr().out
 
 
 def test_the_gpu_check_script_says_clearly_that_there_is_no_device(tmp_path):

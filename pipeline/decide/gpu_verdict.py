@@ -99,15 +99,21 @@ def check(summary: dict, variants: tuple[str, ...] = VARIANTS, partial: bool = F
 def main(argv: list[str]) -> int:
     partial = "--partial" in argv
     argv = [a for a in argv if a != "--partial"]
-    if len(argv) != 1:
-        print("usage: python -m pipeline.decide.gpu_verdict [--partial] RESULTS_DIR_OR_SUMMARY_JSON", file=sys.stderr)
+    variants = VARIANTS
+    if "--variants" in argv[:-1]:
+        i = argv.index("--variants")
+        variants = tuple(v for v in argv[i + 1].split(",") if v)
+        argv = argv[:i] + argv[i + 2:]
+    if len(argv) != 1 or not variants:
+        print("usage: python -m pipeline.decide.gpu_verdict [--partial] [--variants A,B,...] "
+              "RESULTS_DIR_OR_SUMMARY_JSON", file=sys.stderr)
         return 2
     path = Path(argv[0])
     path = path / "summary.json" if path.is_dir() else path
     if not path.is_file():
         print(f"gpu-check: {path} does not exist (the smoke run wrote no summary)", file=sys.stderr)
         return 2
-    table, ok = check(json.loads(path.read_text()), partial=partial)
+    table, ok = check(json.loads(path.read_text()), variants, partial=partial)
     print(table)
     if partial:
         print("gpu-check: so far every finished variant ran on the GPU" if ok else
