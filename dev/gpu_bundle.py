@@ -52,6 +52,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dev.gpu_bundle_install import sha256      # its one copy: install.py stands alone on the device
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
 LIMIT = 64 * MIB                 # one call: the working tree and the paths it carries
@@ -141,12 +143,6 @@ def version_of(name: str, pinned: dict[str, str]) -> str:
                          "(run `make packages` first)") from None
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def pip(*args: str, cwd: Path | None = None) -> None:

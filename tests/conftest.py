@@ -23,6 +23,16 @@ from pipeline.commands.prune_cpu import embedded_gguf  # noqa: E402
 EMBEDDED = embedded_gguf()            # conf/model/smollm2.yaml's packaged GGUF
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie waiting for its reaper is gone too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(")")[-1].split()[0] != "Z"
+
+
 def compose(overrides: list[str]):
     """The real conf/ tree composed with overrides, as a typed Config (like lightning-hydra-template's tests)."""
     from hydra import compose as hydra_compose

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.conftest import process_alive
+
 PARENT = """
 import subprocess, sys, time
 from pipeline.infra.child_processes import child_options
@@ -18,13 +20,7 @@ time.sleep(120)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as fh:          # a zombie waiting for its reaper is gone too
-        return fh.read().split(")")[-1].split()[0] != "Z"
+_alive = process_alive
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")

@@ -9,6 +9,7 @@ import pytest
 
 from pipeline.config.schema import RuntimeConfig
 from pipeline.instruments.probe import ProbeWorker, run_trial
+from tests.conftest import process_alive
 
 
 def _spec(artifact, runtime="hf", **options) -> dict:
@@ -18,13 +19,7 @@ def _spec(artifact, runtime="hf", **options) -> dict:
             "warmup": 1}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().split(")")[-1].split()[0] != "Z"
+_alive = process_alive
 
 
 def test_a_worker_loads_once_and_measures_every_trial_it_is_asked_for(tiny_llama):

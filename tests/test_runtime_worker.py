@@ -11,17 +11,12 @@ import pytest
 
 from pipeline.config.schema import RuntimeConfig
 from pipeline.infra.errors import ConfigError
+from tests.conftest import process_alive
 
 pytestmark = pytest.mark.integration
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().split(")")[-1].split()[0] != "Z"
+_alive = process_alive
 
 
 @pytest.fixture
