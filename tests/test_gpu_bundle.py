@@ -188,6 +188,7 @@ def test_the_python_311_bundle_installs_and_gpu_check_runs_through_it_on_the_cpu
     for name in ("original", "gguf_f16", "gguf_q8_0"):
         assert f"gpu-check: {name}: exit 0" in log
     table = (results / "table.md").read_text()
+    assert table.startswith("Model: smollm2-seeded-0: SmolLM2-135M's shape and tokenizer with weights from seed 0")
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
     assert len(rows) == 3 and all("ran on 'cpu', not cuda" in r for r in rows)
     assert "process that had imported torch" not in table and "F16 GGUF parity on CUDA" in table
