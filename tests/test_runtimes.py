@@ -140,8 +140,11 @@ def test_batched_logits_are_bit_identical_to_single_sequence_decoding(built, emb
     matmuls and moved the logits by up to 1.7."""
     import numpy as np
 
+    from pipeline.runtimes.llamacpp import LlamaCppRuntime
+
     cfg, original, arts = built
-    rt = load_runtime(VariantConfig(name="q41", runtime="llamacpp"), embedded_gguf, cfg, n_ctx=1024)
+    # in this process (load_runtime would start a worker, whose picks a recorder set here cannot see)
+    rt = LlamaCppRuntime(embedded_gguf, {"n_ctx": 1024}, cfg.runtime)
     base = rt.tokenize(TEXT * 8)
     prompts = [base[7 * i:7 * i + 90 + 13 * i] for i in range(4)]
     inner, rows = rt.choice, []

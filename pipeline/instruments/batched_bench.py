@@ -117,7 +117,8 @@ def compare_batched(cfg, variant, gguf: Path, prompts: list[list[int]]) -> dict:
     exe = tool("llama-batched-bench", b.llama_tools)
     # n_ctx at least n_batch: llama-cpp-python clips n_batch to n_ctx, and llama-batched-bench gets the same n_batch
     rt = load_runtime(variant, gguf, cfg, n_ctx=max(256, cfg.runtime.n_batch, b.prompt_tokens + b.gen_tokens + 8))
-    threads, n_batch, flash = rt.info["threads"], rt.info["n_batch"], rt.info["flash_attn"]
+    info = dict(rt.info)
+    threads, n_batch, flash = info["threads"], info["n_batch"], info["flash_attn"]
     rounds = []
     single_ids: list[list[int]] = []
     batched_ids: dict[int, list[list[list[int]]]] = {n: [] for n in seqs}
@@ -129,8 +130,8 @@ def compare_batched(cfg, variant, gguf: Path, prompts: list[list[int]]) -> dict:
         rt.generate_many([(i, prompts[i], 2) for i in range(top)], [], slots=top)    # warm-up, builds the context
         for r in range(b.batched_rounds):
             tool_rows = run_llama_batched_bench(exe, gguf, threads, n_batch, flash, b.prompt_tokens, b.gen_tokens,
-                                                seqs, (rt.info["cache_type_k"], rt.info["cache_type_v"]),
-                                                kv_unified=rt.info["kv_unified"])
+                                                seqs, (info["cache_type_k"], info["cache_type_v"]),
+                                                kv_unified=info["kv_unified"])
             k = r % top
             rt.reset()
             single = _aggregate_decode([rt.generate(prompts[k], b.gen_tokens, [])])
@@ -179,7 +180,7 @@ def compare_batched(cfg, variant, gguf: Path, prompts: list[list[int]]) -> dict:
     verdicts = [rows[n]["verdict"] for n in seqs if rows[n]["verdict"]]
     return {
         "variant": b.batched_variant, "file": gguf.name, "threads": threads, "n_batch": n_batch,
-        "flash_attn": flash, "kv_unified": rt.info["kv_unified"], "prompt_tokens": b.prompt_tokens,
+        "flash_attn": flash, "kv_unified": info["kv_unified"], "prompt_tokens": b.prompt_tokens,
         "gen_tokens": b.gen_tokens, "rounds": b.batched_rounds,
         "single_decode_tokens_per_s": single, "tool_single_decode_tokens_per_s": tool1,
         "single_rounds": [x["single"] for x in rounds], "sequences": {str(n): rows[n] for n in seqs},

@@ -129,7 +129,7 @@ class WorkerRuntime:
                 self._request(("drop", sid), what)
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("_cls", "_proc", "_conn", "_finalizer", "_streams"):
+        if name.startswith("__") or name in ("_cls", "_proc", "_conn", "_finalizer", "_streams", "process"):
             raise AttributeError(name)
         static = inspect.getattr_static(self._cls, name, _MISSING)
         if isinstance(static, (classmethod, staticmethod)):
@@ -141,10 +141,12 @@ class WorkerRuntime:
         return self._request(("get", name), f"reading {name}")
 
     def close(self) -> None:
-        """Close the runtime in the worker and stop the worker."""
+        """Close the runtime in the worker and stop the worker; its ``info`` stays readable, as an in-process
+        runtime's does after close."""
         if self._finalizer.alive:
             try:
                 if self._proc.poll() is None:
+                    self.__dict__["info"] = self._request(("get", "info"), "reading info")
                     self._request(("call", "close", (), {}), "closing the runtime")
             finally:
                 self._finalizer()
