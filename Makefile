@@ -90,8 +90,9 @@ $(VENV)/.packages: pyproject.toml Makefile
 	touch $@
 
 # llama.cpp is compiled once per machine, by `make llama-tools` below. llama-cpp-python ships only an sdist whose
-# build would compile the same source again (6-15 min on two cores): its wheel is built here with LLAMA_BUILD=OFF,
-# the Python bindings alone (seconds), and they load the tools' libraries (pipeline.infra.llama_tools).
+# build would compile the same source again (3.5 min on two cores, run build-once in results/README.md): its wheel
+# is built here with LLAMA_BUILD=OFF, the Python bindings alone (seconds), which load the tools' libraries
+# (pipeline.infra.llama_tools).
 llama-bindings: $(LLAMA_BINDINGS)/.built
 $(LLAMA_BINDINGS)/.built:
 	mkdir -p $(LLAMA_BINDINGS)
