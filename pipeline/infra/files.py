@@ -3,6 +3,7 @@ free-space check before a long write."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -41,6 +42,22 @@ def dumps(obj: Any, indent: int | None = 2, sort_keys: bool | None = None) -> st
 
 def stable_hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=_default).encode()).hexdigest()[:16]
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in blocks; kept per path, size and modification time, so a file hashed
+    again unchanged (a task's data, asked for by every variant's stage) is read once."""
+    st = Path(path).stat()
+    return _file_sha256(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pipeline.infra.errors import ConfigError
+from pipeline.infra.files import file_sha256
 
 # the per-sample metric that counts a sample right, per output type, in order of preference
 CORRECT = {"multiple_choice": ("acc_norm", "acc"), "loglikelihood": ("acc",), "generate_until": ("exact_match",)}
@@ -123,25 +124,11 @@ def whole_registry_entry(name: str):
                       + (f"; close names: {', '.join(close)}" if close else ""))
 
 
-def _file_sha256(path: Path) -> str:
-    st = path.stat()
-    return _sha256_cached(str(path), st.st_size, st.st_mtime_ns)
-
-
-@lru_cache(maxsize=4096)
-def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fingerprint(files: list[Path]) -> str:
     """sha256 over the files' names and contents (in name order): what identifies the data read."""
     h = hashlib.sha256()
     for path in sorted(files, key=lambda p: (p.name, str(p))):
-        h.update(f"{path.name}\0{_file_sha256(path)}\n".encode())
+        h.update(f"{path.name}\0{file_sha256(path)}\n".encode())
     return h.hexdigest()
 
 

@@ -29,7 +29,6 @@ a task's results depends on. Runs are offline: ``simple_evaluate`` runs with the
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import numbers
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from pipeline.infra.errors import ConfigError
+from pipeline.infra.files import file_sha256
 from pipeline.infra.make_paths import PROJECT_ROOT
 
 if TYPE_CHECKING:
@@ -50,10 +50,6 @@ log = logging.getLogger(__name__)
 HUMANEVAL_MAX_GEN_TOKS = 1024         # lm-eval 0.4.13's humaneval.yaml: generation_kwargs.max_gen_toks
 # lm-eval's humaneval task stops here: the end of the function body is the start of anything at the top level
 HUMANEVAL_UNTIL = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def humaneval_file() -> Path:
