@@ -70,7 +70,6 @@ class WorkerRuntime:
         from pipeline.infra.child_processes import child_options
 
         self._cls = cls
-        self._streams = 0
         parent, child = socket.socketpair()
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", "pipeline.runtimes.worker", str(child.fileno())],
@@ -129,7 +128,7 @@ class WorkerRuntime:
                 self._request(("drop", sid), what)
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("_cls", "_proc", "_conn", "_finalizer", "_streams", "process"):
+        if name.startswith("__") or name in ("_cls", "_proc", "_conn", "_finalizer", "process"):
             raise AttributeError(name)
         static = inspect.getattr_static(self._cls, name, _MISSING)
         if isinstance(static, (classmethod, staticmethod)):
