@@ -10,6 +10,7 @@ task's data file, and only onto a stage that ran on that very file (its sha256 i
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from pipeline.infra.errors import ConfigError
@@ -71,6 +72,7 @@ def task_summary(task: str, results: dict[str, dict], seed: int = 0, method: str
     rows: dict[str, dict] = {}
     answers: dict[str, dict[str, bool]] = {}
     facts: dict = {}
+    resolved = functools.cache(functools.partial(_spec, task))     # resolved once, only where a stage lacks it
     for name, r in results.items():
         stage = _stage(r, task) if r.get("status") == "ok" else None
         if stage is None:
@@ -84,14 +86,14 @@ def task_summary(task: str, results: dict[str, dict], seed: int = 0, method: str
         metrics = read_json(folder / "metrics.json")
         answers[name] = flips.outcomes(read_jsonl(folder / "samples.jsonl"))
         facts = facts or metrics
-        rows[name] = {"status": "ok", "metric": metrics.get("metric") or _spec(task)["metric"],
+        rows[name] = {"status": "ok", "metric": metrics.get("metric") or resolved()["metric"],
                       "metrics": metrics["metrics"],
                       "samples": len(answers[name]), "accuracy": flips.accuracy(answers[name], seed),
                       "recovery": None, "correct_to_wrong": None, "wrong_to_correct": None, "flip_rate": None,
                       "mcnemar_p": None, "mcnemar_p_adjusted": None, "no_signal_for_flips": None,
                       "limit": metrics["limit"], "task_key": metrics["task"], "decoding": metrics["decoding"],
                       "sandbox": metrics.get("sandbox"), "wall_s": stage.get("wall_s")}
-    spec = _spec(task) if not facts or not facts.get("metric") else {}
+    spec = resolved() if not facts or not facts.get("metric") else {}
     entry = {"task": facts["task"] if facts else spec["key"], "metric": facts.get("metric") or spec["metric"],
              "limit": facts.get("limit"), "decoding": facts.get("decoding"), "reference": None,
              "reference_accuracy": None, "no_signal_for_flips": None, "multiple_comparisons": method,
