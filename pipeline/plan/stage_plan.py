@@ -134,11 +134,11 @@ class StagePlanner:
         return packed_bytes(self.inv, int(q["bits"]), int(group), q.get("method", "gptq") == "gptq", save)
 
     def quantize_dtype(self, q: dict) -> str:
-        """The compute dtype GPTQModel quantizes in (pipeline.quantizers.base.quantize_dtype's rule: on a device, a
-        half type, here bfloat16 for the model's own; on a CPU float32 for GPTQ, bfloat16 for AWQ)."""
-        if q.get("dtype") not in (None, "auto"):
-            return q["dtype"]
-        return "bfloat16" if self.on_device or q.get("method") == "awq" else "float32"
+        """The dtype GPTQModel quantizes in here (``pipeline.quantizers.gptq.quantize_dtype``; on a device the
+        checkpoint's own half type is taken as bfloat16)."""
+        from pipeline.quantizers.gptq import quantize_dtype
+
+        return quantize_dtype(q, "cuda" if self.on_device else "cpu", None)
 
     def artifact_bytes(self, variant) -> int:
         kind = weight_kind(variant)

@@ -101,20 +101,6 @@ class Passthrough(Quantizer):
                         info={"format": "hf-safetensors", "dtype": self.original.facts.get("torch_dtype")})
 
 
-def quantize_dtype(value: str | None, cpu_choice: str, device: str, checkpoint: Path) -> str:
-    """The compute dtype a quantizer works in: ``value`` where the variant names one; ``auto`` (or none): on CUDA
-    the checkpoint's own half type (bfloat16 where it declares float32 or nothing: a GPU computes half types at
-    full rate and holds twice the model), on a CPU ``cpu_choice``."""
-    if value not in (None, "auto"):
-        return value
-    if device.startswith("cuda"):
-        from pipeline.runtimes.compute_dtype import checkpoint_dtype
-
-        own = checkpoint_dtype(checkpoint)
-        return own if own in ("bfloat16", "float16") else "bfloat16"
-    return cpu_choice
-
-
 def run_worker(argv: list[str], scratch: Path, env: dict, what: str) -> tuple[dict, float]:
     """Run a quantization child process in ``scratch`` with its output streamed through (minutes of per-layer
     progress stay visible); it must write ``scratch/stats.json``. Returns (its stats, wall seconds); a failure

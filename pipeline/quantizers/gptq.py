@@ -33,7 +33,7 @@ from pathlib import Path
 
 from pipeline.infra.cpus import usable_cpus
 from pipeline.infra.errors import ConfigError
-from pipeline.quantizers.base import Quantizer, Skip, quantize_dtype, run_worker
+from pipeline.quantizers.base import Quantizer, Skip, run_worker
 from pipeline.quantizers.calibration import (DEFAULT_CALIBRATION, PROJECT_ROOT, calibration_key, calibration_texts,
                                              check_calibration, check_group_size)
 
@@ -105,6 +105,21 @@ class GPTQModelSettings:
         check_calibration(self.calibration)
 
 
+def quantize_dtype(q: dict, device: str, checkpoint: Path | None) -> str:
+    """The dtype GPTQModel quantizes in for variant.quantize ``q``: its ``dtype`` where it names one; ``auto`` (or
+    none): on CUDA the checkpoint's own half type (bfloat16 where it declares float32, or where no checkpoint is
+    given, as the planner asks: a GPU computes half types at full rate and holds twice the model), on a CPU float32
+    for GPTQ and bfloat16 for AWQ (its packing needs a half type)."""
+    if q.get("dtype") not in (None, "auto"):
+        return q["dtype"]
+    if device.startswith("cuda"):
+        from pipeline.runtimes.compute_dtype import checkpoint_dtype
+
+        own = checkpoint_dtype(checkpoint) if checkpoint is not None else None
+        return own if own in ("bfloat16", "float16") else "bfloat16"
+    return "bfloat16" if q.get("method", "gptq") == "awq" else "float32"
+
+
 class GPTQModelQuantizer(Quantizer):
     Settings = GPTQModelSettings
 
@@ -127,8 +142,7 @@ class GPTQModelQuantizer(Quantizer):
             if odd:   # GPTQModel 7.6's AWQ clip search batches output channels by 64 and asserts on the rest
                 raise Skip(f"AWQ in GPTQModel needs every quantized layer's output size to be a multiple of 64; "
                            f"this model has {odd}")
-        dtype = quantize_dtype(q.get("dtype"), "bfloat16" if method == "awq" else "float32",
-                               self.cfg.runtime.device, self.original.checkpoint)
+        dtype = quantize_dtype(q, self.cfg.runtime.device, self.original.checkpoint)
         settings = {"method": method, "bits": bits, "group_size": group, "desc_act": bool(q.get("desc_act", False)),
                     "sym": bool(q.get("sym", method == "gptq")), "dtype": dtype, "calibration": calib}
         # A user ships the unquantized tensors (embeddings, norms, a tied head) in a half type, not in the fp32 a
