@@ -33,6 +33,18 @@ def process_alive(pid: int) -> bool:
         return fh.read().split(")")[-1].split()[0] != "Z"
 
 
+def pids_running(text: str) -> list[int]:
+    """The pids of the processes whose command line holds ``text`` (a module run with -m: its name)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
 def compose(overrides: list[str]):
     """The real conf/ tree composed with overrides, as a typed Config (like lightning-hydra-template's tests)."""
     from hydra import compose as hydra_compose

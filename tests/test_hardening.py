@@ -157,15 +157,10 @@ def _probe_workers_left(own, wait_s: float = 10.0) -> set[int]:
     ``own_processes`` filter), after giving the kernel's parent-death signal a moment to arrive."""
     import time
 
+    from tests.conftest import pids_running
+
     def live() -> set[int]:
-        pids = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and b"pipeline.instruments.probe" in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-        return own(pids)
+        return own(pids_running("pipeline.instruments.probe"))
 
     deadline = time.time() + wait_s
     while (left := live()) and time.time() < deadline:

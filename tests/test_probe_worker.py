@@ -1,7 +1,6 @@
 """The speed probe's worker process: loaded once, measured per request, stopped on every exit path."""
 
 import json
-import os
 import time
 from dataclasses import asdict
 
@@ -9,7 +8,7 @@ import pytest
 
 from pipeline.config.schema import RuntimeConfig
 from pipeline.instruments.probe import ProbeWorker, run_trial
-from tests.conftest import process_alive
+from tests.conftest import pids_running, process_alive
 
 
 def _spec(artifact, runtime="hf", **options) -> dict:
@@ -56,15 +55,7 @@ def test_without_a_worker_a_trial_runs_in_a_fresh_process_that_is_gone_after(tin
     trial = run_trial(_spec(tiny_llama), 1.0, "original")
     assert trial["decode_tokens_per_s"] > 0
     time.sleep(0.2)
-    probes = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, "pipeline.instruments.probe")]
-    assert own_processes(probes) == set()
-
-
-def _cmdline_has(pid: str, text: str) -> bool:
-    try:
-        return text in open(f"/proc/{pid}/cmdline").read()
-    except OSError:
-        return False
+    assert own_processes(pids_running("pipeline.instruments.probe")) == set()
 
 
 @pytest.mark.integration

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.config.schema import RuntimeConfig
 from pipeline.infra.errors import ConfigError
-from tests.conftest import process_alive
+from tests.conftest import pids_running, process_alive
 
 pytestmark = pytest.mark.integration
 
@@ -86,8 +86,7 @@ def test_a_file_that_does_not_load_fails_with_llama_cpps_reason_and_leaves_no_pr
     with pytest.raises(ConfigError, match="could not load"):
         load_runtime(gguf_cfg.variant, bad, gguf_cfg, n_ctx=256)
     time.sleep(0.2)
-    workers = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).find("pipeline.runtimes.worker") >= 0]
-    assert own_processes(workers) == set()
+    assert own_processes(pids_running("pipeline.runtimes.worker")) == set()
 
 
 def test_a_worker_that_dies_is_named_with_its_signal(gguf_cfg, embedded_gguf):
@@ -117,10 +116,3 @@ def test_without_torch_in_the_process_the_runtime_loads_in_it(embedded_gguf):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["LlamaCppRuntime", "False"]
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return open(f"/proc/{pid}/cmdline").read()
-    except OSError:
-        return ""
