@@ -207,7 +207,8 @@ def test_a_seeded_model_has_the_shape_and_the_same_weights_for_the_same_seed(tmp
 
     from dev.seeded_model import build, save_shape
 
-    shape = _tiny_shape(tmp_path / "tiny", tmp_path / "full") if save_shape(tmp_path / "full") else None
+    assert "tokenizer.json" in save_shape(tmp_path / "full")
+    shape = _tiny_shape(tmp_path / "tiny", tmp_path / "full")
     config = json.loads((tmp_path / "full" / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (576, 30, 49152)
     assert (tmp_path / "full" / "tokenizer.json").is_file() and (tmp_path / "full" / "chat_template.jinja").is_file()

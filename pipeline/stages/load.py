@@ -77,7 +77,6 @@ def plan_variant(cfg, name: str, original, depths: list[int], budget_mb: float) 
     from pipeline.compose import variant_of
     from pipeline.servers import engine_class
     from pipeline.stages.quantize import build_artifact
-
     from pipeline.stages.variant_setup import load_result
 
     lc = cfg.load
