@@ -43,6 +43,9 @@ else
   SUITES ?= long_output,multi_turn
 endif
 ARGS ?=
+# The comparison's time budget (30m, 2h; off: none): the plan cuts conversations, reply caps and speed rounds until
+# it fits, or refuses naming the least that would (pipeline/plan/budget.py); auto: 2 h on a CPU, none on a GPU.
+BUDGET ?= auto
 
 ifeq ($(TORCH),cuda)
   TORCH_INSTALL := torch==$(TORCH_VERSION) --index-url $(CUDA_INDEX)
@@ -204,7 +207,7 @@ compare-deps: setup $(if $(strip $(LLMC_VARIANTS)),llmc-env) $(if $(findstring b
 compare: compare-deps
 	@mkdir -p artifacts/.runs && printf 'MODEL := %s\nVARIANTS := %s\n' '$(MODEL)' '$(VARIANTS)' > $(RUN_RECORD)
 	$(VENV)/bin/quantdrift command=compare run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin \
-	  load=$(COMPARE_LOAD) $(COMMON) $(LOAD_ARGS)
+	  load=$(COMPARE_LOAD) run.budget=$(BUDGET) $(COMMON) $(LOAD_ARGS)
 
 load: setup
 	$(LOAD_CMD) load=full $(COMMON) $(LOAD_ARGS)

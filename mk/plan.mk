@@ -3,7 +3,7 @@
 # not fit). `make plan-compare`: a finished run's plan beside what it measured (RUN= its name, default the profile).
 .PHONY: plan plan-compare
 plan: setup
-	$(VENV)/bin/quantdrift plan run.variants=[$(VARIANTS)] $(COMMON)
+	$(VENV)/bin/quantdrift plan run.variants=[$(VARIANTS)] run.budget=$(BUDGET) $(COMMON)
 
 plan-compare: setup
 	$(VENV)/bin/quantdrift plan plan.compare=true run.name=$(or $(RUN),$(PROFILE)) $(COMMON)

@@ -147,9 +147,14 @@ def _plan(cfg: Config) -> int:
 
         print(compare_run(cfg))
         return 0
+    from pipeline.plan.budget import fit_line
     from pipeline.plan.estimate import run_plan
 
-    return run_plan(cfg)
+    code = run_plan(cfg)
+    line = fit_line(cfg)        # what `make compare` will cut to keep run.budget, or why it cannot
+    if line:
+        print(line)
+    return code
 
 
 def _load(cfg: Config) -> int:

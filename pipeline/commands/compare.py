@@ -1,5 +1,6 @@
 """`quantdrift compare` (`make compare`): one comparison, its stages in the order they run.
 
+    budget      run.budget kept: the profile's work cut until the plan fits it, or the run refused (exit 2)
     preflight   what would stop every variant, found once before any work (exit 2)
     variants    each variant of run.variants prepared, quantized, evaluated and scored (one result file each)
     speed       the interleaved speed trials of every evaluated variant, with their A/A noise floor
@@ -26,13 +27,15 @@ log = logging.getLogger(__name__)
 def run_compare(cfg: Config) -> tuple[int, dict]:
     """Every stage of the comparison in order; returns (0 or the variant stage's exit code, the summary)."""
     from pipeline.decide.summary import write_summary
+    from pipeline.plan.budget import fit_budget
     from pipeline.report.write import render_report
     from pipeline.stages.preflight import run_preflight
 
     if not cfg.run.variants:
         raise ConfigError("run.variants: expected the variants to compare, e.g. run.variants=[original,gguf_q8_0]")
+    cfg, allocation = fit_budget(cfg)
     run_preflight(cfg)
-    code = evaluate_variants(cfg)
+    code = evaluate_variants(cfg, allocation)
     measure_speed_stage(cfg)
     if cfg.load.name != "off":
         load_stage(cfg)
@@ -41,16 +44,17 @@ def run_compare(cfg: Config) -> tuple[int, dict]:
     return code, summary
 
 
-def evaluate_variants(cfg: Config) -> int:
+def evaluate_variants(cfg: Config, allocation: list[str] = ()) -> int:
     """Each variant's job, one after another in this process (as Hydra's basic launcher runs a multirun), each on
-    the config its own `quantdrift variant=NAME` would compose with this command's overrides. A variant that fails
-    leaves its result file and the others go on; returns 0, 2 (a variant's configuration was refused) or 3."""
+    the config its own `quantdrift variant=NAME` would compose with this command's overrides and ``allocation``
+    (the budget's, as overrides). A variant that fails leaves its result file and the others go on; returns 0, 2
+    (a variant's configuration was refused) or 3."""
     from pipeline.commands.variant_job import evaluate_job
 
     code = 0
     for name in cfg.run.variants:
         try:
-            result = evaluate_job(variant_config(cfg, name))
+            result = evaluate_job(variant_config(cfg, name, allocation))
         except ConfigError as exc:
             log.error("%s: %s", name, exc)
             code = max(code, EXIT_BAD_INPUT)
@@ -61,10 +65,10 @@ def evaluate_variants(cfg: Config) -> int:
     return code
 
 
-def variant_config(cfg: Config, name: str) -> Config:
+def variant_config(cfg: Config, name: str, allocation: list[str] = ()) -> Config:
     """The config of variant ``name``'s job: inside a Hydra job, composed from conf/ with this command's own
-    overrides (so ``kv_cache=…`` or ``variant.…=`` apply to each variant as they do in a multirun); called directly
-    (tests), ``cfg`` with that variant."""
+    overrides (so ``kv_cache=…`` or ``variant.…=`` apply to each variant as they do in a multirun) and then
+    ``allocation``'s; called directly (tests), ``cfg`` (which holds the allocation already) with that variant."""
     from pipeline.compose import from_omegaconf, variant_of
 
     overrides = _task_overrides()
@@ -76,7 +80,7 @@ def variant_config(cfg: Config, name: str) -> Config:
     from omegaconf import open_dict
 
     raw = GlobalHydra.instance().hydra.compose_config(  # type: ignore[union-attr]
-        "config", overrides + [f"variant={name}", "command=evaluate"], run_mode=RunMode.RUN)
+        "config", overrides + list(allocation) + [f"variant={name}", "command=evaluate"], run_mode=RunMode.RUN)
     with open_dict(raw):
         del raw["hydra"]          # Hydra's own node (its sweep paths resolve only inside a launched job)
     return from_omegaconf(raw)

@@ -305,6 +305,22 @@ class PlanConfig:
 
 
 BENCH_PREFIX = "bench:"
+BUDGET_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
+
+
+def budget_seconds(value) -> float | str | None:
+    """run.budget in seconds: "30m", "2h", "1800s" or a bare number of minutes; "auto" as is; None, "" or "off":
+    no budget. Raises ConfigError naming the value otherwise."""
+    import re
+
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "off", "none", "null")):
+        return None
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", str(value).lower()) if not isinstance(value, bool) else None
+    _require(bool(m) and (m.group(2) or "m") in BUDGET_UNITS and float(m.group(1)) > 0, "run.budget", value,
+             "a duration such as 30m, 2h or 1800s (a bare number is minutes), auto, or off")
+    return float(m.group(1)) * BUDGET_UNITS[m.group(2) or "m"]
 
 
 @dataclass
@@ -315,9 +331,13 @@ class RunSection:
     # alone, which the reference, evaluate, scoring and checks stages run.
     suites: list[str] = field(default_factory=lambda: ["long_output", "multi_turn"])
     variants: list[str] = field(default_factory=list)   # which variants the report aggregates
+    # The comparison's time budget (pipeline.plan.budget): conversations, reply caps and speed rounds cut until the
+    # plan fits it; auto: 2 hours on a CPU, none on a CUDA device; null: the profile as it is.
+    budget: str | int | float | None = None
     bench_tasks: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
+        budget_seconds(self.budget)
         _require(isinstance(self.suites, list) and all(isinstance(s, str) for s in self.suites), "run.suites",
                  self.suites, "a list of suite names and bench:TASK entries")
         tasks = [s[len(BENCH_PREFIX):] for s in self.suites if s.startswith(BENCH_PREFIX)]

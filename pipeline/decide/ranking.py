@@ -22,6 +22,7 @@ import math
 
 from pipeline.config.commands import DecisionConfig
 from pipeline.config.summary_contract import BY_NAME
+from pipeline.figures.speed_trials import rounds_to_rank, smallest_p
 
 # objective -> the catalogue metric it optimises (its direction says which way is better)
 OBJECTIVES = {"decode_speed": "decode_tokens_per_s", "size": "artifact_bytes", "drift": "kld_mean"}
@@ -94,15 +95,9 @@ def show(objective: str, x: float | None, v: dict | None = None) -> str:
     return f"{x / 2**20:.1f} MiB"
 
 
-def smallest_p(rounds: int) -> float:
-    """The smallest two-sided p an exact sign-flip test over ``rounds`` paired units can give."""
-    return 2 / 2 ** rounds if rounds else 1.0
-
-
 def rounds_needed(comparisons: int, d: DecisionConfig) -> int:
     """The fewest rounds whose smallest sign-flip p, times the comparisons under the correction, is under alpha."""
-    m = comparisons if d.multiple_comparisons != "none" else 1
-    return next(n for n in range(1, 64) if smallest_p(n) * m < d.alpha)
+    return rounds_to_rank(comparisons, d.alpha, d.multiple_comparisons)
 
 
 def _power(rounds: int, comparisons: int, d: DecisionConfig) -> str | None:

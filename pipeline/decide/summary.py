@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def build_summary(cfg: Config) -> dict:
+    from pipeline.plan.budget import kept_allocation, read_budget
+
+    cfg = kept_allocation(cfg)          # a run cut to its budget is summarised with the allocation it ran
     names = cfg.run.variants or [cfg.variant.name]
     results = {}
     for name in names:
@@ -74,7 +77,9 @@ def build_summary(cfg: Config) -> dict:
                 "bench_limits": {t: cfg.profile.bench_limit_for(t) for t in cfg.run.bench_tasks},
                 # the profile keys that set its token counts as it ran (overrides included): what a plan from this
                 # run takes its work to have been (plan.plan_times.measured_work)
-                "workload": {k: getattr(cfg.profile, k) for k in WORKLOAD_KEYS}},
+                "workload": {k: getattr(cfg.profile, k) for k in WORKLOAD_KEYS},
+                # run.budget's fit (pipeline.plan.budget), where the run had a budget
+                "budget": read_budget(cfg)},
         "model": {"name": cfg.model.name, "source": cfg.model.source, "origin": origin,
                   **{k: v for k, v in facts.items() if k != "chat_template"}},
         "reference": {"runtime": (first.get("reference") or {}).get("producer"),

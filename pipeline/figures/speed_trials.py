@@ -68,3 +68,15 @@ def noise_floor(run: dict | None, alpha: float = 0.05) -> dict | None:
                           "floor": max(1 - test["low"], test["high"] - 1, abs(test["ratio"] - 1))}
     return {"control": control, "rounds": run["rounds"], "alpha": alpha, "figures": figures,
             "test": "paired sign-flip permutation test on log ratios over interleaved rounds"}
+
+
+def smallest_p(rounds: int) -> float:
+    """The smallest two-sided p an exact sign-flip test over ``rounds`` paired units can give."""
+    return 2 / 2 ** rounds if rounds else 1.0
+
+
+def rounds_to_rank(comparisons: int, alpha: float, correction: str) -> int:
+    """The fewest interleaved rounds whose smallest sign-flip p, times the comparisons under a family-wise
+    ``correction`` (holm, bonferroni; none: one), is under ``alpha``."""
+    m = comparisons if correction != "none" else 1
+    return next(n for n in range(1, 64) if smallest_p(n) * m < alpha)

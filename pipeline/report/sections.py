@@ -19,12 +19,27 @@ from pipeline.report.tables import (_capacity_section, _drift_sections, _llama_s
                                     suite_flip_table)
 
 
+def _budget_block(summary: dict) -> list:
+    """What run.budget did to the run, as its plan put it."""
+    b = (summary.get("run") or {}).get("budget")
+    if not b:
+        return []
+    head = (f"Run budget {b.get('budget')} (`run.budget`, {b['budget_s'] / 60:.0f} min of planned stage time on "
+            f"this machine; {b.get('time_basis') or 'no time basis'}): ")
+    if not b.get("allocation"):
+        return [head + f"the plan put the profile's work at {b['profile_planned_s'] / 60:.1f} min, so nothing was cut."]
+    return [head + f"the plan put the profile's work at {b['profile_planned_s'] / 60:.1f} min, over the budget, so "
+            f"the run was cut ({'; '.join(b['steps'])}) to {b['described']}, planned at {b['planned_s'] / 60:.1f} min. "
+            "What this allocation can detect is in the section \"What this run can detect\"."]
+
+
 def _run_time_section(summary: dict):
     """Minutes per stage of the run (each stage's own build time: a stage reused from an earlier run counts
-    that build; quantizing, once per model, is in the artifacts table)."""
+    that build; quantizing, once per model, is in the artifacts table), and what run.budget cut."""
     t = summary.get("stage_times")
     if not t or not t.get("total_s"):
-        return None
+        budget = _budget_block(summary)
+        return ("run-time", "Run time", budget) if budget else None
     m = lambda s: "-" if s is None else f"{s / 60:.1f}"  # noqa: E731
     tasks = sorted({k for r in t["variants_s"].values() for k in r if k.startswith("bench:")})
     pad = [""] * (2 + len(tasks))
@@ -42,7 +57,7 @@ def _run_time_section(summary: dict):
         "Minutes per stage, each stage's own build time from its manifest (a stage reused from an earlier run counts "
         "that build, so the total is what these results cost, not this invocation's wall time); quantizing, once "
         "per model, is in the artifacts table. Where the report's load section shows `make load`'s sweep instead "
-        "of the short one, that sweep's time is listed below the total.",
+        "of the short one, that sweep's time is listed below the total.", *_budget_block(summary),
         (["stage", "free-running (or the stage)", "teacher-forced scoring", "deployment path",
           *(f"`{k}`" for k in tasks)], rows)])
 

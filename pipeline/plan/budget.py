@@ -1,0 +1,294 @@
+"""A run budget (``run.budget``; ``make compare BUDGET=30m``): the profile's work cut, step by step, until the plan
+of the whole comparison fits the budget, or the run refused before any work.
+
+The time of an allocation is the plan's (``pipeline.plan.estimate.build_plan``): every stage still to run, timed
+from the measured runs on this machine, plus the speed stage's extra llama.cpp rounds at their cap
+(``profile.speed.extra_max_minutes``), which the plan leaves out. The steps (``STEPS``) are taken in order, each
+cutting further, and the first allocation that fits is run: first what only the nightly gate reads (the extra speed
+rounds, the load sweep's repeated rounds), then conversations and reply caps in turn, then the speed rounds down to
+the fewest whose sign-flip test can still rank the variants after the family-wise correction, then three
+conversations per suite. That last allocation is the least that carries a signal (three conversations give a
+per-conversation interval; fewer rounds cannot rank); where it does not fit either, the run is refused naming its
+planned time, so the user can raise the budget or compare fewer variants.
+
+``auto`` (what ``make compare`` passes by default): ``AUTO_CPU_S`` on a CPU, which the demo's default comparison
+fits uncut; no budget on a CUDA device. The allocation is kept in the run's folder (``budget.json``): a resumed run
+with the same budget, variants and profile runs the same allocation, so its finished stages stay valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from pathlib import Path
+from typing import Callable
+
+from pipeline.config.schema import Config, budget_seconds
+from pipeline.infra.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+AUTO_CPU_S = 120 * 60
+MIN_CONVERSATIONS = 3
+MIN_REPLY_CAP = 16
+RECORD = "budget.json"
+
+
+class NoTimeBasis(ConfigError):
+    """The plan has no time for the run on this machine (no measured run to take one from)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """The work a run is given: per conversation suite its conversations and reply cap, the interleaved speed
+    rounds, the extra llama.cpp rounds' cap, the load sweep's rounds."""
+
+    per_suite: dict            # suite -> {"max_conversations": n, "max_new_tokens_cap": cap}
+    trials: int
+    extra_max_rounds: int
+    extra_max_minutes: float
+    load_repeats: int
+
+    def settings(self) -> dict:
+        """The allocation as dotted config keys and their values."""
+        return {"profile.per_suite": self.per_suite, "profile.speed.trials": self.trials,
+                "profile.speed.extra_max_rounds": self.extra_max_rounds,
+                "profile.speed.extra_max_minutes": self.extra_max_minutes, "load.repeats": self.load_repeats}
+
+    def overrides(self) -> list[str]:
+        """Hydra overrides that give a composed config this allocation (each variant's job is composed anew)."""
+        suites = ",".join(f"{s}:{{max_conversations:{v['max_conversations']},"
+                          f"max_new_tokens_cap:{v['max_new_tokens_cap']}}}" for s, v in self.per_suite.items())
+        out = [f"++profile.per_suite={{{suites}}}"]
+        return out + [f"++{k}={v}" for k, v in self.settings().items() if k != "profile.per_suite"]
+
+    def apply(self, cfg: Config) -> Config:
+        """``cfg`` with this allocation (the same settings ``overrides`` gives a composed config)."""
+        per_suite = {**(cfg.profile.per_suite or {}), **{s: dict(v) for s, v in self.per_suite.items()}}
+        speed = dataclasses.replace(cfg.profile.speed, trials=self.trials, extra_max_rounds=self.extra_max_rounds,
+                                    extra_max_minutes=self.extra_max_minutes)
+        profile = dataclasses.replace(cfg.profile, per_suite=per_suite, speed=speed)
+        return dataclasses.replace(cfg, profile=profile, load=dataclasses.replace(cfg.load, repeats=self.load_repeats))
+
+    def describe(self) -> str:
+        suites = "; ".join(f"{s}: {v['max_conversations']} conversations, replies capped at "
+                           f"{v['max_new_tokens_cap']} tokens" for s, v in self.per_suite.items())
+        extra = (f"extra llama.cpp rounds at most {self.extra_max_minutes:g} min" if self.extra_max_rounds
+                 else "no extra speed rounds")
+        return f"{suites}; {self.trials} speed rounds, {extra}; {self.load_repeats} load-sweep round(s)"
+
+
+def profile_allocation(cfg: Config) -> Allocation:
+    """The profile's own allocation, every conversation suite's limits made explicit (all conversations, a cap at
+    the suite's largest turn budget where the profile sets none: the same work)."""
+    from pipeline.suites.records import load_suite
+
+    per_suite = {}
+    for suite in cfg.selected_suites():
+        if suite.generate:          # a generated suite (long-context recall) has no conversations to cut
+            continue
+        convs = load_suite(suite.name, suite.path)
+        n, cap = cfg.profile.limits(suite.name)
+        largest = max((t.max_new_tokens or 512 for c in convs for t in c.turns), default=512)
+        per_suite[suite.name] = {"max_conversations": min(n or len(convs), len(convs)),
+                                 "max_new_tokens_cap": min(cap or largest, largest)}
+    s = cfg.profile.speed
+    return Allocation(per_suite=per_suite, trials=s.trials, extra_max_rounds=s.extra_max_rounds,
+                      extra_max_minutes=float(s.extra_max_minutes), load_repeats=cfg.load.repeats)
+
+
+def _conversations(n: int) -> Callable[[Allocation, Allocation], Allocation]:
+    def step(a: Allocation, first: Allocation) -> Allocation:
+        return dataclasses.replace(a, per_suite={s: {**v, "max_conversations": min(v["max_conversations"], n)}
+                                                 for s, v in a.per_suite.items()})
+    return step
+
+
+def _caps(share: float) -> Callable[[Allocation, Allocation], Allocation]:
+    def step(a: Allocation, first: Allocation) -> Allocation:
+        return dataclasses.replace(a, per_suite={s: {**v, "max_new_tokens_cap": min(v["max_new_tokens_cap"], max(
+            MIN_REPLY_CAP, math.ceil(first.per_suite[s]["max_new_tokens_cap"] * share)))}
+            for s, v in a.per_suite.items()})
+    return step
+
+
+def steps(cfg: Config) -> list[tuple[str, Callable[[Allocation, Allocation], Allocation]]]:
+    """The cuts in the order they are taken, each (what it does, allocation and the profile's -> allocation)."""
+    from pipeline.figures.speed_trials import rounds_to_rank
+
+    comparisons = max(1, len(cfg.run.variants) - 1)
+    fewest = rounds_to_rank(comparisons, cfg.decision.alpha, cfg.decision.multiple_comparisons)
+    return [
+        ("extra llama.cpp speed rounds at most 5 min",
+         lambda a, f: dataclasses.replace(a, extra_max_minutes=min(a.extra_max_minutes, 5.0))),
+        ("no extra speed rounds", lambda a, f: dataclasses.replace(a, extra_max_rounds=0)),
+        ("one load-sweep round", lambda a, f: dataclasses.replace(a, load_repeats=1)),
+        ("at most 6 conversations per suite", _conversations(6)),
+        ("replies capped at 3/4 of the profile's caps", _caps(0.75)),
+        ("at most 4 conversations per suite", _conversations(4)),
+        ("replies capped at half the profile's caps", _caps(0.5)),
+        (f"{fewest} speed rounds, the fewest that rank {comparisons} comparison(s) at alpha {cfg.decision.alpha} "
+         f"after the {cfg.decision.multiple_comparisons} correction",
+         lambda a, f: dataclasses.replace(a, trials=min(a.trials, fewest))),
+        (f"{MIN_CONVERSATIONS} conversations per suite", _conversations(MIN_CONVERSATIONS)),
+    ]
+
+
+def resolved_budget(cfg: Config) -> float | None:
+    """run.budget in seconds; auto: ``AUTO_CPU_S`` on a CPU, None on a CUDA device."""
+    b = budget_seconds(cfg.run.budget)
+    if b != "auto":
+        return b
+    from pipeline.plan.estimate import _on_device
+
+    return None if _on_device(cfg) else float(AUTO_CPU_S)
+
+
+def plan_seconds(cfg: Config) -> Callable[[Config], tuple[float, int, str]]:
+    """A function giving an allocation's planned seconds (the stages still to run, the extra rounds at their cap),
+    its untimed stages and the time basis; this machine's bandwidth and compute are read once for all."""
+    from pipeline.plan import measured_runs
+    from pipeline.plan.estimate import build_plan, plan_variants
+    from pipeline.runtimes.model_inventory import NotLocal, model_inventory
+
+    try:
+        inv = model_inventory(cfg)
+    except NotLocal as exc:
+        raise NoTimeBasis(f"run.budget={cfg.run.budget}: the plan has no time for this run before the model is "
+                          f"downloaded ({exc}); `quantdrift command=prepare` fetches it, or run without a budget "
+                          "(BUDGET=off, run.budget=null)") from None
+    here = measured_runs.bandwidth_here(cfg.runtime.n_threads), measured_runs.compute_here(cfg.runtime.n_threads)
+
+    def planned(c: Config) -> tuple[float, int, str]:
+        records = logging.getLogger("pipeline.suites.records")      # its per-selection notes, once per allocation
+        level = records.level
+        records.setLevel(logging.WARNING)
+        try:
+            plan = build_plan(c, variants=plan_variants(c), inventory=inv, bandwidth_here=here[0],
+                              compute_here=here[1])
+        finally:
+            records.setLevel(level)
+        todo = [r for r in plan["rows"] if not r.exists]
+        extra = 0.0
+        s = c.profile.speed
+        if s.extra_max_rounds and any(v.runtime in s.extra_runtimes for v in plan_variants(c)):
+            extra = 60.0 * s.extra_max_minutes
+        timed = [r.time_s for r in todo if r.time_s is not None]
+        return sum(timed) + extra, len(todo) - len(timed), plan.get("time_basis") or ""
+    return planned
+
+
+def fit(cfg: Config, budget_s: float, planned: Callable[[Config], tuple[float, int, str]]) -> dict:
+    """The first allocation along ``steps`` whose planned time fits ``budget_s``: the record of the fit
+    ({"budget_s", "profile_planned_s", "planned_s", "steps", "allocation": its settings or None where the profile
+    fits uncut, ...}). Raises ConfigError naming the least allocation's time where none fits."""
+    first = profile_allocation(cfg)
+    t0, untimed, basis = planned(cfg)
+    if untimed and not t0:
+        raise NoTimeBasis(f"run.budget={cfg.run.budget}: the plan has no time for this run here ({basis}), so no "
+                          "budget can be kept: run it once without one (BUDGET=off, run.budget=null)")
+    record = {"budget_s": budget_s, "profile_planned_s": t0, "planned_s": t0, "untimed_stages": untimed,
+              "time_basis": basis, "steps": [], "allocation": None, "variants": list(cfg.run.variants),
+              "profile": cfg.profile.name, "suites": list(cfg.run.suites)}
+    if t0 <= budget_s:
+        return record
+    a, taken = first, []
+    for what, step in steps(cfg):
+        nxt = step(a, first)
+        if nxt == a:
+            continue
+        a = nxt
+        taken.append(what)
+        t, untimed, _ = planned(a.apply(cfg))
+        log.info("run.budget: %s -> planned %.1f min", what, t / 60)
+        if t <= budget_s:
+            return {**record, "planned_s": t, "untimed_stages": untimed, "steps": taken,
+                    "allocation": a.settings(), "described": a.describe()}
+    raise ConfigError(
+        f"run.budget={cfg.run.budget} ({budget_s / 60:.0f} min) cannot be kept: the profile's work is planned at "
+        f"{t0 / 60:.0f} min, and the least that still carries a signal ({a.describe()}) at {t / 60:.0f} min "
+        f"({basis}). Nothing was computed. Raise the budget to at least {math.ceil(t / 60)}m, compare fewer "
+        "variants (run.variants=[...]), or run without a budget (BUDGET=off)")
+
+
+def fit_line(cfg: Config) -> str | None:
+    """``quantdrift plan``'s line on run.budget: what `make compare` will cut to keep it (None: no budget).
+    Raises ConfigError where it cannot be kept, as the comparison would."""
+    budget_s = resolved_budget(cfg)
+    if budget_s is None:
+        return None
+    try:
+        r = fit(cfg, budget_s, plan_seconds(cfg))
+    except NoTimeBasis as exc:
+        if budget_seconds(cfg.run.budget) != "auto":
+            raise
+        return f"budget: auto, none kept ({exc})"
+    head = f"budget: run.budget={cfg.run.budget} ({budget_s / 60:.0f} min)"
+    if r["allocation"] is None:
+        return f"{head}: the profile's work, planned at {r['planned_s'] / 60:.1f} min, fits uncut"
+    return (f"{head}: the profile's work (the extra speed rounds at their cap) is planned at {r['profile_planned_s'] / 60:.1f} min; the comparison will "
+            f"cut it ({'; '.join(r['steps'])}) to {r['described']}, planned at {r['planned_s'] / 60:.1f} min")
+
+
+def _record_path(cfg: Config) -> Path:
+    return cfg.model_dir / "runs" / cfg.run.name / RECORD
+
+
+def read_budget(cfg: Config) -> dict | None:
+    """The run's budget record (``fit``'s, with the budget as given), or None where the run had none."""
+    from pipeline.infra.files import read_json
+
+    path = _record_path(cfg)
+    return read_json(path) if path.is_file() else None
+
+
+def _allocation(record: dict) -> Allocation:
+    s = record["allocation"]
+    return Allocation(per_suite=s["profile.per_suite"], trials=s["profile.speed.trials"],
+                      extra_max_rounds=s["profile.speed.extra_max_rounds"],
+                      extra_max_minutes=s["profile.speed.extra_max_minutes"], load_repeats=s["load.repeats"])
+
+
+def kept_allocation(cfg: Config) -> Config:
+    """``cfg`` with the allocation its run was given under a budget (``quantdrift report`` and the summary read the
+    run as it ran); ``cfg`` itself where the run was not cut."""
+    record = read_budget(cfg)
+    return _allocation(record).apply(cfg) if record and record.get("allocation") else cfg
+
+
+def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] | None = None
+               ) -> tuple[Config, list[str]]:
+    """The comparison's config within its budget and the Hydra overrides that give each variant's job the same
+    allocation; ``cfg`` itself and no overrides where there is no budget or the profile fits it. The fit is kept
+    in the run's folder, and a resumed run with the same budget, variants, profile and suites takes it again."""
+    from pipeline.infra.files import write_json
+
+    budget_s = resolved_budget(cfg)
+    path = _record_path(cfg)
+    if budget_s is None:
+        path.unlink(missing_ok=True)
+        return cfg, []
+    kept = read_budget(cfg)
+    same = {"budget_s": budget_s, "variants": list(cfg.run.variants), "profile": cfg.profile.name,
+            "suites": list(cfg.run.suites)}
+    if kept and all(kept.get(k) == v for k, v in same.items()):
+        record = kept
+        log.info("run.budget: the allocation of this run's first sitting, kept (%s)", path)
+    else:
+        try:
+            record = {**fit(cfg, budget_s, planned or plan_seconds(cfg)), "budget": str(cfg.run.budget)}
+        except NoTimeBasis as exc:
+            if budget_seconds(cfg.run.budget) != "auto":
+                raise
+            log.warning("run.budget=auto: no budget kept, the profile as it is: %s", exc)
+            return cfg, []
+        write_json(path, record)
+    if record["allocation"] is None:
+        log.info("run.budget: the profile's work is planned at %.1f min, inside %.0f min: nothing cut",
+                 record["planned_s"] / 60, budget_s / 60)
+        return cfg, []
+    a = _allocation(record)
+    log.warning("run.budget %s: the profile's work is planned at %.1f min; cut to %s, planned at %.1f min",
+                record["budget"], record["profile_planned_s"] / 60, a.describe(), record["planned_s"] / 60)
+    return a.apply(cfg), a.overrides()

@@ -1,0 +1,174 @@
+"""run.budget (pipeline.plan.budget): the profile's work is cut along the steps, in order, until the plan fits; the
+least that carries a signal is refused with its planned time; the allocation reaches each variant's composed config
+and is kept for a resumed run; the summary and the report say what was cut."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.config.schema import budget_seconds
+from pipeline.infra.errors import ConfigError
+from tests.conftest import compose
+
+VARIANTS = "run.variants=[original,gguf_f16,gguf_q8_0,gguf_q4_k_m,gguf_q4_0,gptq_w4,awq_w4_llmc,original+kv_int8]"
+
+
+@pytest.mark.parametrize("given,seconds", [("30m", 1800), ("2h", 7200), ("1800s", 1800), (45, 2700), ("1.5h", 5400),
+                                           ("auto", "auto"), (None, None), ("", None), ("off", None)])
+def test_a_budget_reads_as_seconds(given, seconds):
+    assert budget_seconds(given) == seconds
+
+
+@pytest.mark.parametrize("given", ["fast", "-5m", "30x", "0m", True])
+def test_a_budget_that_is_no_duration_is_refused_naming_the_key(given):
+    with pytest.raises(ConfigError, match=r"run\.budget.*a duration such as 30m"):
+        budget_seconds(given)
+    with pytest.raises(ConfigError, match=r"run\.budget"):
+        compose([f"run.budget={str(given).lower()}"])
+
+
+def _cost(cfg) -> tuple[float, int, str]:
+    """A plan in which every reply token costs 0.01 s per variant (ten variants), a speed round 30 s, an extra
+    speed minute 60 s, a load round 120 s."""
+    from pipeline.suites.records import load_suite, select
+
+    tokens = 0
+    for suite in cfg.selected_suites():
+        convs = select(load_suite(suite.name, suite.path), *cfg.profile.limits(suite.name))
+        tokens += sum(t.max_new_tokens or 0 for c in convs for t in c.turns)
+    s = cfg.profile.speed
+    extra = 60.0 * s.extra_max_minutes if s.extra_max_rounds else 0.0
+    return 10 * 0.01 * tokens + 30 * s.trials + extra + 120 * cfg.load.repeats, 0, "a test's cost model"
+
+
+def _quick():
+    return compose(["profile=quick", VARIANTS])
+
+
+def test_a_profile_inside_its_budget_runs_uncut():
+    from pipeline.plan.budget import fit
+
+    cfg = _quick()
+    whole = _cost(cfg)[0]
+    record = fit(cfg, whole + 1, _cost)
+    assert record["allocation"] is None and record["steps"] == [] and record["planned_s"] == whole
+
+
+def test_the_cuts_are_taken_in_order_and_stop_at_the_first_allocation_that_fits():
+    from pipeline.plan.budget import Allocation, fit, steps
+
+    cfg = _quick()
+    whole = _cost(cfg)[0]
+    # past the gate-only cuts (extra rounds 600 -> 0 s, load rounds 360 -> 120 s), into the conversations
+    budget = whole - 600 - 240 - 1
+    record = fit(cfg, budget, _cost)
+    names = [what for what, _ in steps(cfg)]
+    assert record["steps"] == names[:len(record["steps"])]
+    assert record["steps"][:3] == ["extra llama.cpp speed rounds at most 5 min", "no extra speed rounds",
+                                   "one load-sweep round"]
+    assert len(record["steps"]) == 4          # six conversations per suite were enough
+    a = record["allocation"]
+    assert a["profile.speed.extra_max_rounds"] == 0 and a["load.repeats"] == 1
+    assert {v["max_conversations"] for v in a["profile.per_suite"].values()} == {6}
+    assert a["profile.per_suite"]["long_output"]["max_new_tokens_cap"] == 512      # the caps not reached yet
+    assert a["profile.speed.trials"] == cfg.profile.speed.trials
+    cut = Allocation(per_suite=a["profile.per_suite"], trials=a["profile.speed.trials"],
+                     extra_max_rounds=0, extra_max_minutes=a["profile.speed.extra_max_minutes"], load_repeats=1)
+    assert record["planned_s"] == _cost(cut.apply(cfg))[0] <= budget < record["profile_planned_s"] == whole
+
+
+def test_a_budget_under_the_least_that_carries_a_signal_is_refused_with_that_allocations_time():
+    from pipeline.plan.budget import MIN_CONVERSATIONS, fit
+
+    cfg = _quick()
+    with pytest.raises(ConfigError) as exc:
+        fit(cfg, 60, _cost)
+    msg = str(exc.value)
+    assert "run.budget" in msg and "cannot be kept" in msg and "Nothing was computed" in msg
+    assert f"{MIN_CONVERSATIONS} conversations, replies capped at 256 tokens" in msg       # long_output: half of 512
+    assert "9 speed rounds" in msg          # the fewest that rank 7 comparisons after Holm (2/2^9 x 7 < 0.05)
+    assert "Raise the budget to at least" in msg
+
+
+def test_the_overrides_give_a_composed_config_the_same_allocation_as_applying_it():
+    from pipeline.plan.budget import fit, _allocation
+
+    cfg = _quick()
+    record = fit(cfg, _cost(cfg)[0] * 0.5, _cost)
+    a = _allocation(record)
+    applied = a.apply(cfg)
+    composed = compose(["profile=quick", VARIANTS, *a.overrides()])
+    for suite in ("long_output", "multi_turn"):
+        assert composed.profile.limits(suite) == applied.profile.limits(suite) != cfg.profile.limits(suite)
+    assert composed.profile.speed == applied.profile.speed
+    assert composed.load.repeats == applied.load.repeats == 1
+
+
+def test_a_resumed_run_keeps_its_first_allocation_and_a_new_budget_fits_again(tmp_path):
+    from pipeline.plan.budget import fit_budget, read_budget
+
+    cfg = compose(["profile=quick", VARIANTS, f"paths.artifacts={tmp_path}", "run.budget=20m"])
+    calls = []
+
+    def counted(c):
+        calls.append(1)
+        return _cost(c)
+
+    first, overrides = fit_budget(cfg, counted)
+    assert overrides and calls and first.profile.limits("long_output") != cfg.profile.limits("long_output")
+    kept = read_budget(cfg)
+    assert kept["budget"] == "20m" and kept["allocation"]
+    calls.clear()
+    again, overrides_again = fit_budget(cfg, counted)
+    assert calls == [] and overrides_again == overrides and again.profile == first.profile
+    wider = compose(["profile=quick", VARIANTS, f"paths.artifacts={tmp_path}", "run.budget=10h"])
+    same, none = fit_budget(wider, counted)
+    assert calls and none == [] and same is wider and read_budget(wider)["allocation"] is None
+    off = compose(["profile=quick", VARIANTS, f"paths.artifacts={tmp_path}", "run.budget=off"])
+    assert fit_budget(off, counted) == (off, []) and read_budget(off) is None
+
+
+def test_compare_gives_every_variant_the_cut_allocation_and_the_report_says_what_was_cut(tiny_cfg, monkeypatch):
+    import pipeline.commands.variant_job as variant_job
+    import pipeline.plan.budget as budget
+    from pipeline.cli import run
+    from pipeline.report.sections import report_sections
+
+    seen = []
+
+    def job(cfg):
+        seen.append((cfg.variant.name, cfg.profile.limits("smoke"), cfg.profile.speed.trials))
+        return {"status": "skipped", "reason": "not run in this test"}
+
+    monkeypatch.setattr(variant_job, "evaluate_job", job)
+    monkeypatch.setattr(budget, "plan_seconds", lambda cfg: _cost)
+    cfg = tiny_cfg("command=compare", "run.variants=[original,gguf_q8_0]", "load=off", "run.budget=6m",
+                   "profile.max_conversations=4", "profile.max_new_tokens_cap=64", "profile.speed.trials=10")
+    whole = _cost(cfg)[0]
+    assert whole > 360
+    assert run(cfg) == 0
+    cut = budget.read_budget(cfg)
+    assert cut["allocation"] and cut["planned_s"] <= 360 < cut["profile_planned_s"]
+    limits = (cut["allocation"]["profile.per_suite"]["smoke"]["max_conversations"],
+              cut["allocation"]["profile.per_suite"]["smoke"]["max_new_tokens_cap"])
+    assert cut["allocation"]["profile.speed.trials"] == 6 < cfg.profile.speed.trials     # one comparison: 2/2^6 < 0.05
+    assert seen == [(n, limits, cut["allocation"]["profile.speed.trials"]) for n in ("original", "gguf_q8_0")]
+    summary = json.loads((cfg.results_dir / "summary.json").read_text())
+    assert summary["run"]["budget"] == cut
+    assert summary["run"]["workload"]["per_suite"]["smoke"]["max_new_tokens_cap"] == limits[1]
+    text = json.dumps(report_sections(summary))
+    assert "Run budget 6m" in text and "; ".join(cut["steps"]) in text and "over the budget" in text
+
+
+def test_a_budget_without_a_plan_is_refused_and_auto_runs_the_profile_uncut(tmp_path):
+    """A hub model not downloaded yet has no shapes to plan from: a budget the user set cannot be kept (refused,
+    naming the way out); auto runs the profile as it is."""
+    from pipeline.plan.budget import NoTimeBasis, fit_budget
+
+    base = ["model=local", "model.source=org/not-downloaded", "run.variants=[original]", f"paths.artifacts={tmp_path}"]
+    with pytest.raises(NoTimeBasis, match=r"run\.budget=30m: the plan has no time.*BUDGET=off"):
+        fit_budget(compose([*base, "run.budget=30m"]))
+    auto = compose([*base, "run.budget=auto"])
+    assert fit_budget(auto) == (auto, [])
