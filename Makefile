@@ -44,7 +44,7 @@ else
 endif
 ARGS ?=
 # The comparison's time budget (30m, 2h; off: none): the plan cuts conversations, reply caps and speed rounds until
-# it fits, or refuses naming the least that would (pipeline/plan/budget.py); auto: 2 h on a CPU, none on a GPU.
+# it fits, or refuses naming the least that would (pipeline/plan/budget.py); auto: 3 h on a CPU, none on a GPU.
 BUDGET ?= auto
 
 ifeq ($(TORCH),cuda)

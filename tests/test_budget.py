@@ -31,7 +31,7 @@ def test_a_budget_that_is_no_duration_is_refused_naming_the_key(given):
 
 def _cost(cfg) -> tuple[float, int, str]:
     """A plan in which every reply token costs 0.01 s per variant (ten variants), a speed round 30 s, an extra
-    speed minute 60 s, a load round 120 s."""
+    speed minute 60 s, a load round 120 s (none with load=off)."""
     from pipeline.suites.records import load_suite, select
 
     tokens = 0
@@ -40,7 +40,8 @@ def _cost(cfg) -> tuple[float, int, str]:
         tokens += sum(t.max_new_tokens or 0 for c in convs for t in c.turns)
     s = cfg.profile.speed
     extra = 60.0 * s.extra_max_minutes if s.extra_max_rounds else 0.0
-    return 10 * 0.01 * tokens + 30 * s.trials + extra + 120 * cfg.load.repeats, 0, "a test's cost model"
+    load = 120 * cfg.load.repeats if cfg.load.name != "off" else 0.0
+    return 10 * 0.01 * tokens + 30 * s.trials + extra + load, 0, "a test's cost model"
 
 
 def _quick():
@@ -57,14 +58,14 @@ def test_a_profile_inside_its_budget_runs_uncut():
 
 
 def test_the_cuts_are_taken_in_order_and_stop_at_the_first_allocation_that_fits():
-    from pipeline.plan.budget import Allocation, fit, steps
+    from pipeline.plan.budget import Allocation, fit, profile_allocation, steps
 
     cfg = _quick()
     whole = _cost(cfg)[0]
     # past the gate-only cuts (extra rounds 600 -> 0 s, load rounds 360 -> 120 s), into the conversations
     budget = whole - 600 - 240 - 1
     record = fit(cfg, budget, _cost)
-    names = [what for what, _ in steps(cfg)]
+    names = [what for what, _ in steps(cfg, profile_allocation(cfg))]
     assert record["steps"] == names[:len(record["steps"])]
     assert record["steps"][:3] == ["extra llama.cpp speed rounds at most 5 min", "no extra speed rounds",
                                    "one load-sweep round"]
@@ -93,11 +94,11 @@ def test_a_budget_under_the_least_that_carries_a_signal_is_refused_with_that_all
 
 
 def test_the_overrides_give_a_composed_config_the_same_allocation_as_applying_it():
-    from pipeline.plan.budget import fit, _allocation
+    from pipeline.plan.budget import fit, allocation_of
 
     cfg = _quick()
     record = fit(cfg, _cost(cfg)[0] * 0.5, _cost)
-    a = _allocation(record)
+    a = allocation_of(record)
     applied = a.apply(cfg)
     composed = compose(["profile=quick", VARIANTS, *a.overrides()])
     for suite in ("long_output", "multi_turn"):
@@ -144,13 +145,13 @@ def test_compare_gives_every_variant_the_cut_allocation_and_the_report_says_what
 
     monkeypatch.setattr(variant_job, "evaluate_job", job)
     monkeypatch.setattr(budget, "plan_seconds", lambda cfg: _cost)
-    cfg = tiny_cfg("command=compare", "run.variants=[original,gguf_q8_0]", "load=off", "run.budget=6m",
+    cfg = tiny_cfg("command=compare", "run.variants=[original,gguf_q8_0]", "load=off", "run.budget=4m",
                    "profile.max_conversations=4", "profile.max_new_tokens_cap=64", "profile.speed.trials=10")
     whole = _cost(cfg)[0]
-    assert whole > 360
+    assert whole > 240
     assert run(cfg) == 0
     cut = budget.read_budget(cfg)
-    assert cut["allocation"] and cut["planned_s"] <= 360 < cut["profile_planned_s"]
+    assert cut["allocation"] and cut["planned_s"] <= 240 < cut["profile_planned_s"]
     limits = (cut["allocation"]["profile.per_suite"]["smoke"]["max_conversations"],
               cut["allocation"]["profile.per_suite"]["smoke"]["max_new_tokens_cap"])
     assert cut["allocation"]["profile.speed.trials"] == 6 < cfg.profile.speed.trials     # one comparison: 2/2^6 < 0.05
@@ -158,17 +159,73 @@ def test_compare_gives_every_variant_the_cut_allocation_and_the_report_says_what
     summary = json.loads((cfg.results_dir / "summary.json").read_text())
     assert summary["run"]["budget"] == cut
     assert summary["run"]["workload"]["per_suite"]["smoke"]["max_new_tokens_cap"] == limits[1]
+    assert not any("load" in w or "extra" in w for w in cut["steps"])      # load=off; smoke has no extra rounds
     text = json.dumps(report_sections(summary))
-    assert "Run budget 6m" in text and "; ".join(cut["steps"]) in text and "over the budget" in text
+    assert "Run budget 4m" in text and "; ".join(cut["steps"]) in text and "over the budget" in text
+    assert "load-sweep" not in text and "extra llama.cpp" not in text         # load=off; smoke has no extra rounds
 
 
 def test_a_budget_without_a_plan_is_refused_and_auto_runs_the_profile_uncut(tmp_path):
     """A hub model not downloaded yet has no shapes to plan from: a budget the user set cannot be kept (refused,
     naming the way out); auto runs the profile as it is."""
-    from pipeline.plan.budget import NoTimeBasis, fit_budget
+    from pipeline.plan.budget import NoTimeBasis, fit_budget, kept_allocation, read_budget
 
     base = ["model=local", "model.source=org/not-downloaded", "run.variants=[original]", f"paths.artifacts={tmp_path}"]
     with pytest.raises(NoTimeBasis, match=r"run\.budget=30m: the plan has no time.*BUDGET=off"):
         fit_budget(compose([*base, "run.budget=30m"]))
     auto = compose([*base, "run.budget=auto"])
     assert fit_budget(auto) == (auto, [])
+    kept = read_budget(auto)          # kept as a fit that cut nothing: a resumed sitting stays uncut
+    assert kept["allocation"] is None and "downloaded" in kept["no_time"]
+    assert kept_allocation(auto) is auto
+    assert fit_budget(auto, lambda c: pytest.fail("a kept fit is not planned again")) == (auto, [])
+
+
+def test_a_plan_without_any_stage_time_is_no_basis_for_a_budget(tiny_cfg):
+    from pipeline.plan.budget import NoTimeBasis, plan_seconds
+
+    cfg = tiny_cfg("run.variants=[original,gguf_q8_0]", "run.budget=30m")       # an empty results folder
+    with pytest.raises(NoTimeBasis, match="no measured run"):
+        plan_seconds(cfg)(cfg)
+
+
+def test_auto_is_three_hours_on_a_cpu_and_no_budget_on_a_gpu(monkeypatch):
+    import pipeline.plan.estimate as estimate
+    from pipeline.plan.budget import AUTO_CPU_S, resolved_budget
+
+    cfg = compose(["run.budget=auto", VARIANTS])
+    monkeypatch.setattr(estimate, "_on_device", lambda cfg: False)
+    assert resolved_budget(cfg) == AUTO_CPU_S == 3 * 3600
+    monkeypatch.setattr(estimate, "_on_device", lambda cfg: True)
+    assert resolved_budget(cfg) is None
+
+
+def test_nothing_left_to_cut_is_refused_without_a_cut_named():
+    """The smoke profile is already below every step (2 conversations, 16-token replies, 2 rounds), and load=off."""
+    from pipeline.plan.budget import fit
+
+    cfg = compose(["profile=smoke", "load=off", VARIANTS])
+    with pytest.raises(ConfigError, match="no step cuts it further"):
+        fit(cfg, 1, _cost)
+
+
+def test_a_resumed_run_with_other_settings_is_fitted_again(tmp_path):
+    from pipeline.plan.budget import fit_budget
+
+    base = ["profile=quick", VARIANTS, f"paths.artifacts={tmp_path}", "run.budget=20m"]
+    first, _ = fit_budget(compose(base), _cost)
+    fewer = compose([*base, "profile.max_conversations=2", "profile.speed.trials=20"])
+    calls = []
+    again, _ = fit_budget(fewer, lambda c: calls.append(1) or _cost(c))
+    assert calls                                         # not the first sitting's allocation
+    assert again.profile.limits("multi_turn")[0] == 2 and again.profile.limits("multi_turn") != first.profile.limits("multi_turn")
+
+
+def test_make_plan_prints_the_cut_or_that_the_profile_fits(monkeypatch):
+    import pipeline.plan.budget as budget
+
+    monkeypatch.setattr(budget, "plan_seconds", lambda cfg: _cost)
+    cut = budget.fit_line(compose(["profile=quick", VARIANTS, "run.budget=20m"]))
+    assert cut.startswith("budget: run.budget=20m (20 min): the profile's work") and "will cut it (" in cut
+    assert budget.fit_line(compose(["profile=quick", VARIANTS, "run.budget=10h"])).endswith("fits uncut")
+    assert budget.fit_line(compose(["profile=quick", VARIANTS])) is None

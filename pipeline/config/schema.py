@@ -332,7 +332,7 @@ class RunSection:
     suites: list[str] = field(default_factory=lambda: ["long_output", "multi_turn"])
     variants: list[str] = field(default_factory=list)   # which variants the report aggregates
     # The comparison's time budget (pipeline.plan.budget): conversations, reply caps and speed rounds cut until the
-    # plan fits it; auto: 2 hours on a CPU, none on a CUDA device; null: the profile as it is.
+    # plan fits it; auto: 3 hours on a CPU, none on a CUDA device; null: the profile as it is.
     budget: str | int | float | None = None
     bench_tasks: list[str] = field(default_factory=list, init=False)
 

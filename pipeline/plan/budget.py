@@ -29,7 +29,7 @@ from pipeline.infra.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-AUTO_CPU_S = 120 * 60
+AUTO_CPU_S = 180 * 60
 MIN_CONVERSATIONS = 3
 MIN_REPLY_CAP = 16
 RECORD = "budget.json"
@@ -49,12 +49,17 @@ class Allocation:
     extra_max_rounds: int
     extra_max_minutes: float
     load_repeats: int
+    extra_applies: bool = True     # some variant runs on a runtime of profile.speed.extra_runtimes
+    load_applies: bool = True      # the comparison runs a load sweep (load is not off)
 
     def settings(self) -> dict:
         """The allocation as dotted config keys and their values."""
         return {"profile.per_suite": self.per_suite, "profile.speed.trials": self.trials,
                 "profile.speed.extra_max_rounds": self.extra_max_rounds,
                 "profile.speed.extra_max_minutes": self.extra_max_minutes, "load.repeats": self.load_repeats}
+
+    def applies(self) -> dict:
+        return {"extra_applies": self.extra_applies, "load_applies": self.load_applies}
 
     def overrides(self) -> list[str]:
         """Hydra overrides that give a composed config this allocation (each variant's job is composed anew)."""
@@ -74,28 +79,43 @@ class Allocation:
     def describe(self) -> str:
         suites = "; ".join(f"{s}: {v['max_conversations']} conversations, replies capped at "
                            f"{v['max_new_tokens_cap']} tokens" for s, v in self.per_suite.items())
-        extra = (f"extra llama.cpp rounds at most {self.extra_max_minutes:g} min" if self.extra_max_rounds
-                 else "no extra speed rounds")
-        return f"{suites}; {self.trials} speed rounds, {extra}; {self.load_repeats} load-sweep round(s)"
+        out = f"{suites}; {self.trials} speed rounds"
+        if self.extra_applies:
+            out += (f", extra llama.cpp rounds at most {self.extra_max_minutes:g} min" if self.extra_max_rounds
+                    else ", no extra speed rounds")
+        return out + (f"; {self.load_repeats} load-sweep round(s)" if self.load_applies else "")
+
+
+def whole_suites(cfg: Config) -> list[str]:
+    """The selected suites a budget leaves whole: those generated per tokenizer (the long-context recall documents),
+    whose work the plan takes from their generation settings, not from the profile's limits."""
+    return [suite.name for suite in cfg.selected_suites() if suite.generate]
 
 
 def profile_allocation(cfg: Config) -> Allocation:
     """The profile's own allocation, every conversation suite's limits made explicit (all conversations, a cap at
     the suite's largest turn budget where the profile sets none: the same work)."""
-    from pipeline.suites.records import load_suite
+    import inspect
 
+    from pipeline.compose import variant_of
+    from pipeline.suites.records import load_suite, select
+
+    default = inspect.signature(select).parameters["default_max_new_tokens"].default    # a turn without a budget
     per_suite = {}
     for suite in cfg.selected_suites():
-        if suite.generate:          # a generated suite (long-context recall) has no conversations to cut
+        if suite.generate:
             continue
         convs = load_suite(suite.name, suite.path)
         n, cap = cfg.profile.limits(suite.name)
-        largest = max((t.max_new_tokens or 512 for c in convs for t in c.turns), default=512)
+        largest = max((t.max_new_tokens or default for c in convs for t in c.turns), default=default)
         per_suite[suite.name] = {"max_conversations": min(n or len(convs), len(convs)),
                                  "max_new_tokens_cap": min(cap or largest, largest)}
     s = cfg.profile.speed
+    runtimes = {variant_of(cfg, name).runtime for name in cfg.run.variants}
     return Allocation(per_suite=per_suite, trials=s.trials, extra_max_rounds=s.extra_max_rounds,
-                      extra_max_minutes=float(s.extra_max_minutes), load_repeats=cfg.load.repeats)
+                      extra_max_minutes=float(s.extra_max_minutes), load_repeats=cfg.load.repeats,
+                      extra_applies=bool(s.extra_max_rounds and runtimes & set(s.extra_runtimes)),
+                      load_applies=cfg.load.name != "off")
 
 
 def _conversations(n: int) -> Callable[[Allocation, Allocation], Allocation]:
@@ -113,17 +133,20 @@ def _caps(share: float) -> Callable[[Allocation, Allocation], Allocation]:
     return step
 
 
-def steps(cfg: Config) -> list[tuple[str, Callable[[Allocation, Allocation], Allocation]]]:
-    """The cuts in the order they are taken, each (what it does, allocation and the profile's -> allocation)."""
+def steps(cfg: Config, first: Allocation) -> list[tuple[str, Callable[[Allocation, Allocation], Allocation]]]:
+    """The cuts in the order they are taken, each (what it does, allocation and the profile's -> allocation);
+    ``first``: the profile's own allocation."""
     from pipeline.figures.speed_trials import rounds_to_rank
 
     comparisons = max(1, len(cfg.run.variants) - 1)
     fewest = rounds_to_rank(comparisons, cfg.decision.alpha, cfg.decision.multiple_comparisons)
-    return [
+    gate_only = [
         ("extra llama.cpp speed rounds at most 5 min",
          lambda a, f: dataclasses.replace(a, extra_max_minutes=min(a.extra_max_minutes, 5.0))),
         ("no extra speed rounds", lambda a, f: dataclasses.replace(a, extra_max_rounds=0)),
-        ("one load-sweep round", lambda a, f: dataclasses.replace(a, load_repeats=1)),
+    ] if first.extra_applies else []
+    load = [("one load-sweep round", lambda a, f: dataclasses.replace(a, load_repeats=1))] if first.load_applies else []
+    return gate_only + load + [
         ("at most 6 conversations per suite", _conversations(6)),
         ("replies capped at 3/4 of the profile's caps", _caps(0.75)),
         ("at most 4 conversations per suite", _conversations(4)),
@@ -152,6 +175,7 @@ def plan_seconds(cfg: Config) -> Callable[[Config], tuple[float, int, str]]:
     from pipeline.plan.estimate import build_plan, plan_variants
     from pipeline.runtimes.model_inventory import NotLocal, model_inventory
 
+    variants = plan_variants(cfg)           # the same in every allocation
     try:
         inv = model_inventory(cfg)
     except NotLocal as exc:
@@ -165,16 +189,20 @@ def plan_seconds(cfg: Config) -> Callable[[Config], tuple[float, int, str]]:
         level = records.level
         records.setLevel(logging.WARNING)
         try:
-            plan = build_plan(c, variants=plan_variants(c), inventory=inv, bandwidth_here=here[0],
+            plan = build_plan(c, variants=variants, inventory=inv, bandwidth_here=here[0],
                               compute_here=here[1])
         finally:
             records.setLevel(level)
         todo = [r for r in plan["rows"] if not r.exists]
-        extra = 0.0
-        s = c.profile.speed
-        if s.extra_max_rounds and any(v.runtime in s.extra_runtimes for v in plan_variants(c)):
-            extra = 60.0 * s.extra_max_minutes
         timed = [r.time_s for r in todo if r.time_s is not None]
+        if todo and not timed:
+            raise NoTimeBasis(f"run.budget={c.run.budget}: the plan has no time for this run here "
+                              f"({plan.get('time_basis') or 'no measured run to scale from'}), so no budget can be "
+                              "kept: run it once without one (BUDGET=off, run.budget=null)")
+        s = c.profile.speed
+        extra = 0.0
+        if s.extra_max_rounds and any(v.runtime in s.extra_runtimes for v in variants):
+            extra = 60.0 * s.extra_max_minutes
         return sum(timed) + extra, len(todo) - len(timed), plan.get("time_basis") or ""
     return planned
 
@@ -182,34 +210,50 @@ def plan_seconds(cfg: Config) -> Callable[[Config], tuple[float, int, str]]:
 def fit(cfg: Config, budget_s: float, planned: Callable[[Config], tuple[float, int, str]]) -> dict:
     """The first allocation along ``steps`` whose planned time fits ``budget_s``: the record of the fit
     ({"budget_s", "profile_planned_s", "planned_s", "steps", "allocation": its settings or None where the profile
-    fits uncut, ...}). Raises ConfigError naming the least allocation's time where none fits."""
+    fits uncut, ...}). A step that lowers no planned time is not taken. Raises ConfigError naming the most the
+    steps can cut the run to, and its planned time, where nothing fits."""
     first = profile_allocation(cfg)
     t0, untimed, basis = planned(cfg)
-    if untimed and not t0:
-        raise NoTimeBasis(f"run.budget={cfg.run.budget}: the plan has no time for this run here ({basis}), so no "
-                          "budget can be kept: run it once without one (BUDGET=off, run.budget=null)")
     record = {"budget_s": budget_s, "profile_planned_s": t0, "planned_s": t0, "untimed_stages": untimed,
-              "time_basis": basis, "steps": [], "allocation": None, "variants": list(cfg.run.variants),
-              "profile": cfg.profile.name, "suites": list(cfg.run.suites)}
+              "time_basis": basis, "steps": [], "allocation": None, "whole_suites": whole_suites(cfg),
+              **reuse_key(cfg, first)}
     if t0 <= budget_s:
         return record
-    a, taken = first, []
-    for what, step in steps(cfg):
+    a, t, taken = first, t0, []
+    for what, step in steps(cfg, first):
         nxt = step(a, first)
         if nxt == a:
             continue
-        a = nxt
+        t_next, untimed_next, _ = planned(nxt.apply(cfg))
+        if t_next >= t:
+            continue            # saves nothing planned: not a cut worth reporting
+        a, t, untimed = nxt, t_next, untimed_next
         taken.append(what)
-        t, untimed, _ = planned(a.apply(cfg))
         log.info("run.budget: %s -> planned %.1f min", what, t / 60)
         if t <= budget_s:
             return {**record, "planned_s": t, "untimed_stages": untimed, "steps": taken,
                     "allocation": a.settings(), "described": a.describe()}
+    most = (f"the most the steps cut it to ({a.describe()}; fewer conversations or speed rounds would carry no "
+            f"signal) is planned at {t / 60:.0f} min" if taken else "no step cuts it further")
     raise ConfigError(
         f"run.budget={cfg.run.budget} ({budget_s / 60:.0f} min) cannot be kept: the profile's work is planned at "
-        f"{t0 / 60:.0f} min, and the least that still carries a signal ({a.describe()}) at {t / 60:.0f} min "
-        f"({basis}). Nothing was computed. Raise the budget to at least {math.ceil(t / 60)}m, compare fewer "
-        "variants (run.variants=[...]), or run without a budget (BUDGET=off)")
+        f"{t0 / 60:.0f} min{_untimed(untimed)}, and {most} ({basis}). Nothing was computed. Raise the budget to at "
+        f"least {math.ceil(t / 60)}m, compare fewer variants (run.variants=[...]), or run without a budget "
+        "(BUDGET=off)")
+
+
+def _untimed(n: int) -> str:
+    return f" ({n} stage(s) without a time estimate, not counted)" if n else ""
+
+
+def reuse_key(cfg: Config, first: Allocation | None = None) -> dict:
+    """What a kept fit must match to be taken again by a resumed run: the run's variants, suites and profile, the
+    profile's own allocation as composed (overrides included; ``first`` where already known), the load sweep and
+    the test the rounds serve."""
+    a = first or profile_allocation(cfg)
+    return {"variants": list(cfg.run.variants), "profile": cfg.profile.name, "suites": list(cfg.run.suites),
+            "profile_allocation": {**a.settings(), **a.applies()}, "load": cfg.load.name,
+            "rank_test": [cfg.decision.alpha, cfg.decision.multiple_comparisons]}
 
 
 def fit_line(cfg: Config) -> str | None:
@@ -225,10 +269,13 @@ def fit_line(cfg: Config) -> str | None:
             raise
         return f"budget: auto, none kept ({exc})"
     head = f"budget: run.budget={cfg.run.budget} ({budget_s / 60:.0f} min)"
+    whole = f"; left whole: {', '.join(r['whole_suites'])} (generated)" if r["whole_suites"] else ""
     if r["allocation"] is None:
-        return f"{head}: the profile's work, planned at {r['planned_s'] / 60:.1f} min, fits uncut"
-    return (f"{head}: the profile's work (the extra speed rounds at their cap) is planned at {r['profile_planned_s'] / 60:.1f} min; the comparison will "
-            f"cut it ({'; '.join(r['steps'])}) to {r['described']}, planned at {r['planned_s'] / 60:.1f} min")
+        return (f"{head}: the profile's work (the extra speed rounds at their cap), planned at "
+                f"{r['planned_s'] / 60:.1f} min{_untimed(r['untimed_stages'])}, fits uncut")
+    return (f"{head}: the profile's work (the extra speed rounds at their cap) is planned at "
+            f"{r['profile_planned_s'] / 60:.1f} min; the comparison will cut it ({'; '.join(r['steps'])}) to "
+            f"{r['described']}, planned at {r['planned_s'] / 60:.1f} min{_untimed(r['untimed_stages'])}{whole}")
 
 
 def _record_path(cfg: Config) -> Path:
@@ -243,18 +290,22 @@ def read_budget(cfg: Config) -> dict | None:
     return read_json(path) if path.is_file() else None
 
 
-def _allocation(record: dict) -> Allocation:
+def allocation_of(record: dict) -> Allocation:
+    """The allocation a fit's record holds (its ``allocation`` must be set)."""
     s = record["allocation"]
+    first = record["profile_allocation"]        # whether the extra rounds and the load sweep apply: as it was
     return Allocation(per_suite=s["profile.per_suite"], trials=s["profile.speed.trials"],
                       extra_max_rounds=s["profile.speed.extra_max_rounds"],
-                      extra_max_minutes=s["profile.speed.extra_max_minutes"], load_repeats=s["load.repeats"])
+                      extra_max_minutes=s["profile.speed.extra_max_minutes"], load_repeats=s["load.repeats"],
+                      extra_applies=bool(first.get("extra_applies", True)),
+                      load_applies=record.get("load") != "off")
 
 
 def kept_allocation(cfg: Config) -> Config:
     """``cfg`` with the allocation its run was given under a budget (``quantdrift report`` and the summary read the
     run as it ran); ``cfg`` itself where the run was not cut."""
     record = read_budget(cfg)
-    return _allocation(record).apply(cfg) if record and record.get("allocation") else cfg
+    return allocation_of(record).apply(cfg) if record and record.get("allocation") else cfg
 
 
 def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] | None = None
@@ -270,8 +321,7 @@ def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] 
         path.unlink(missing_ok=True)
         return cfg, []
     kept = read_budget(cfg)
-    same = {"budget_s": budget_s, "variants": list(cfg.run.variants), "profile": cfg.profile.name,
-            "suites": list(cfg.run.suites)}
+    same = {"budget_s": budget_s, **reuse_key(cfg)}
     if kept and all(kept.get(k) == v for k, v in same.items()):
         record = kept
         log.info("run.budget: the allocation of this run's first sitting, kept (%s)", path)
@@ -281,14 +331,18 @@ def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] 
         except NoTimeBasis as exc:
             if budget_seconds(cfg.run.budget) != "auto":
                 raise
-            log.warning("run.budget=auto: no budget kept, the profile as it is: %s", exc)
-            return cfg, []
+            log.warning("run.budget=auto: nothing cut, no plan time: %s", exc)
+            # kept as a fit that cut nothing, so a resumed sitting (the model downloaded by then) keeps it uncut
+            record = {**same, "budget": "auto", "no_time": str(exc), "allocation": None, "steps": [],
+                      "profile_planned_s": None, "planned_s": None, "untimed_stages": None, "time_basis": None,
+                      "whole_suites": whole_suites(cfg)}
         write_json(path, record)
     if record["allocation"] is None:
-        log.info("run.budget: the profile's work is planned at %.1f min, inside %.0f min: nothing cut",
-                 record["planned_s"] / 60, budget_s / 60)
+        if record["planned_s"] is not None:
+            log.info("run.budget: the profile's work is planned at %.1f min, inside %.0f min: nothing cut",
+                     record["planned_s"] / 60, budget_s / 60)
         return cfg, []
-    a = _allocation(record)
+    a = allocation_of(record)
     log.warning("run.budget %s: the profile's work is planned at %.1f min; cut to %s, planned at %.1f min",
                 record["budget"], record["profile_planned_s"] / 60, a.describe(), record["planned_s"] / 60)
     return a.apply(cfg), a.overrides()

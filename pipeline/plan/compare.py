@@ -54,6 +54,11 @@ def compare_rows(cfg) -> dict:
     names = [n for n, v in summary["variants"].items() if v.get("status") == "ok"]
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=summary["run"]["name"],
                                                             suites=list(summary["run"]["suites"]), variants=names))
+    budget = summary["run"].get("budget") or {}
+    if budget.get("allocation"):        # a run cut to its budget is planned as it ran
+        from pipeline.plan.budget import allocation_of
+
+        cfg = allocation_of(budget).apply(cfg)
     others = find_runs(Path(cfg.paths.results), Path(cfg.paths.artifacts), exclude=mr.label)
     # another run is rescaled by the bandwidth (and compute) this run recorded when it ran, not by readings taken now
     plan = build_plan(cfg, variants=[variant_of(cfg, n) for n in names], exclude_run=mr.label if others else None,

@@ -14,52 +14,10 @@ from pipeline.report.bench_section import bench_section
 from pipeline.report.cells import _ci, _fmt, _md_escape, decoding_line, mark_notes
 from pipeline.report.decision_section import decision_section
 from pipeline.report.load_section import load_section
+from pipeline.report.run_time_section import run_time_section
 from pipeline.report.tables import (_capacity_section, _drift_sections, _llama_stats_section,
                                     _power_section, _recall_section, main_table, same_runtime_table, speed_table,
                                     suite_flip_table)
-
-
-def _budget_block(summary: dict) -> list:
-    """What run.budget did to the run, as its plan put it."""
-    b = (summary.get("run") or {}).get("budget")
-    if not b:
-        return []
-    head = (f"Run budget {b.get('budget')} (`run.budget`, {b['budget_s'] / 60:.0f} min of planned stage time on "
-            f"this machine; {b.get('time_basis') or 'no time basis'}): ")
-    if not b.get("allocation"):
-        return [head + f"the plan put the profile's work at {b['profile_planned_s'] / 60:.1f} min, so nothing was cut."]
-    return [head + f"the plan put the profile's work at {b['profile_planned_s'] / 60:.1f} min, over the budget, so "
-            f"the run was cut ({'; '.join(b['steps'])}) to {b['described']}, planned at {b['planned_s'] / 60:.1f} min. "
-            "What this allocation can detect is in the section \"What this run can detect\"."]
-
-
-def _run_time_section(summary: dict):
-    """Minutes per stage of the run (each stage's own build time: a stage reused from an earlier run counts
-    that build; quantizing, once per model, is in the artifacts table), and what run.budget cut."""
-    t = summary.get("stage_times")
-    if not t or not t.get("total_s"):
-        budget = _budget_block(summary)
-        return ("run-time", "Run time", budget) if budget else None
-    m = lambda s: "-" if s is None else f"{s / 60:.1f}"  # noqa: E731
-    tasks = sorted({k for r in t["variants_s"].values() for k in r if k.startswith("bench:")})
-    pad = [""] * (2 + len(tasks))
-    rows = [[f"references: {suite}", m(w), *pad] for suite, w in t["references_s"].items()]
-    rows += [[f"`{n}`", m(r.get("free_running")), m(r.get("scoring")), m(r.get("deployment")),
-              *(m(r.get(k)) for k in tasks)] for n, r in t["variants_s"].items()]
-    label = {"load": "load stage: short sweep of `make compare` (all variants)"}
-    rows += [[label.get(k, f"{k} stage (all variants)"), m(w), *pad] for k, w in t["run_s"].items()]
-    rows.append(["**total**", f"**{m(t['total_s'])}**", *pad])
-    covers = {"trials": "its trials, every sitting", "last sitting": "its last sitting only, from a resumed sweep "
-              "that kept no trial times"}
-    rows += [[f"load stage: {p} sweep of `make load` (all variants; not in the total; {covers[o['covers']]})",
-              m(o["s"]), *pad] for p, o in (t.get("other_sweeps") or {}).items()]
-    return ("run-time", "Run time", [
-        "Minutes per stage, each stage's own build time from its manifest (a stage reused from an earlier run counts "
-        "that build, so the total is what these results cost, not this invocation's wall time); quantizing, once "
-        "per model, is in the artifacts table. Where the report's load section shows `make load`'s sweep instead "
-        "of the short one, that sweep's time is listed below the total.", *_budget_block(summary),
-        (["stage", "free-running (or the stage)", "teacher-forced scoring", "deployment path",
-          *(f"`{k}`" for k in tasks)], rows)])
 
 
 def _speed_noise_block(summary: dict) -> list:
@@ -379,7 +337,7 @@ def report_sections(summary: dict, plots: dict[str, str] | None = None) -> list[
             sections.append(target)
         target[2].append({"plot": name, "file": plots[name]})
     sections += [s for s in (_model_section(summary), _deployment_section(ok), _artifact_section(ok),
-                             _run_time_section(summary)) if s]
+                             run_time_section(summary)) if s]
     skipped = {n: v for n, v in summary["variants"].items() if v["status"] != "ok"}
     if skipped:
         sections.append(("skipped", "Skipped or failed",
