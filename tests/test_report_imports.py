@@ -20,7 +20,8 @@ def test_report_package_has_no_import_cycle_and_keeps_its_layers():
     cycle = find_cycle({m: graph[m] & report for m in report})
     assert cycle is None, f"import cycle through the report: {cycle}"
     layer = {"pipeline.report.cells": 0, "pipeline.report.tables": 1, "pipeline.report.decision_section": 1,
-             "pipeline.report.bench_section": 1, "pipeline.report.load_section": 1, "pipeline.report.sections": 2,
+             "pipeline.report.bench_section": 1, "pipeline.report.load_section": 1,
+             "pipeline.report.run_time_section": 1, "pipeline.report.sections": 2,
              "pipeline.report.plots": 3, "pipeline.report.markdown": 4, "pipeline.report.html": 4,
              "pipeline.report.write": 5}
     for mod in report:
