@@ -401,10 +401,12 @@ def bos_model(tmp_path_factory, tiny_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def bos_original(bos_model, tmp_path_factory):
-    """The BOS-adding tiny llama prepared as the original, and a factory of the adapter on it (float32)."""
+    """The BOS-adding tiny llama prepared as the original, and a factory of the adapter on it (float32, the bench
+    stage's decoding)."""
     from transformers import AutoTokenizer
 
     from pipeline.suites.lmeval.adapter import RuntimeLM
+    from pipeline.stages.lmeval_tasks import bench_config
     from pipeline.stages.prepare import prepare
     from tests.conftest import compose
 
@@ -415,6 +417,7 @@ def bos_original(bos_model, tmp_path_factory):
     original = prepare(cfg.model, cfg.model_dir)
     tok = AutoTokenizer.from_pretrained(str(original.checkpoint))
     cfg.variant = VariantConfig(name="original", runtime_options={"dtype": "float32"})
+    cfg = bench_config(cfg)             # the bench stage's decoding: plain greedy, as lm-eval's own models decode
 
     def adapter(max_length: int = 512):
         lm = RuntimeLM.for_variant(cfg, original.checkpoint, tok, original.facts["eos_token_ids"], n_ctx=512)
@@ -444,6 +447,30 @@ def test_the_adapter_encodes_and_scores_as_lm_evals_own_hf_model_on_a_bos_adding
         a, b = ours.loglikelihood(requests), theirs.loglikelihood(requests)
         assert [g for _, g in a] == [g for _, g in b]
         assert max(abs(x - y) for (x, _), (y, _) in zip(a, b)) < 1e-4
+    finally:
+        ours.runtime.close()
+
+
+def test_humaneval_replies_are_lm_evals_own_hf_models_on_a_bos_adding_tokenizer(bos_original):
+    """HumanEval's first problems, prompted and stopped as its task does (its stop strings; a 48-token budget so that
+    prompt and reply fit the tiny model's context on both sides): lm-eval's own HF model and the adapter give the
+    same reply text for each, greedy, float32 on both."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from pipeline.suites.lmeval.tasks import HUMANEVAL_UNTIL
+
+    ours = bos_original["adapter"]()
+    theirs = HFLM(pretrained=bos_original["checkpoint"], device="cpu", dtype="float32", batch_size=1,
+                  max_length=512)
+    try:
+        docs = load_docs("humaneval")[:3]
+        kwargs = {"until": list(HUMANEVAL_UNTIL), "max_gen_toks": 48, "do_sample": False}
+        requests = [Instance("generate_until", doc, (doc["prompt"], dict(kwargs)), 0) for doc in docs]
+        assert all(len(ours.tok_encode(doc["prompt"])) + 48 <= 512 for doc in docs)
+        a, b = ours.generate_until(requests), theirs.generate_until(requests)
+        assert len(a) == len(docs) and any(a), "the replies must not all be empty"
+        assert a == b
     finally:
         ours.runtime.close()
 
