@@ -424,7 +424,13 @@ def bos_original(bos_model, tmp_path_factory):
         lm.max_length = max_length
         return lm
 
-    return {"checkpoint": str(original.checkpoint), "bos_id": bos_id, "adapter": adapter}
+    def hflm(**kwargs):
+        """lm-eval's own HF model on the same checkpoint, float32 as the adapter."""
+        from lm_eval.models.huggingface import HFLM
+
+        return HFLM(pretrained=str(original.checkpoint), device="cpu", dtype="float32", batch_size=1, **kwargs)
+
+    return {"checkpoint": str(original.checkpoint), "bos_id": bos_id, "adapter": adapter, "hflm": hflm}
 
 
 def test_the_adapter_encodes_and_scores_as_lm_evals_own_hf_model_on_a_bos_adding_tokenizer(bos_original):
@@ -432,11 +438,10 @@ def test_the_adapter_encodes_and_scores_as_lm_evals_own_hf_model_on_a_bos_adding
     every context (a BOS first, as the tokenizer adds it; none twice when the text starts with it) and the same
     log-likelihoods of business_mc's first questions within 1e-4, with the same greedy flags."""
     from lm_eval.api.instance import Instance
-    from lm_eval.models.huggingface import HFLM
 
     bos_id = bos_original["bos_id"]
     ours = bos_original["adapter"]()
-    theirs = HFLM(pretrained=bos_original["checkpoint"], device="cpu", dtype="float32", batch_size=1)
+    theirs = bos_original["hflm"]()
     try:
         for text in ("Question: How many days are in a week?\nAnswer:", "<|im_start|>already there"):
             assert ours.tok_encode(text) == theirs.tok_encode(text)
@@ -456,18 +461,17 @@ def test_humaneval_replies_are_lm_evals_own_hf_models_on_a_bos_adding_tokenizer(
     prompt and reply fit the tiny model's context on both sides): lm-eval's own HF model and the adapter give the
     same reply text for each, greedy, float32 on both."""
     from lm_eval.api.instance import Instance
-    from lm_eval.models.huggingface import HFLM
 
     from pipeline.suites.lmeval.tasks import HUMANEVAL_UNTIL
 
+    budget = 48
     ours = bos_original["adapter"]()
-    theirs = HFLM(pretrained=bos_original["checkpoint"], device="cpu", dtype="float32", batch_size=1,
-                  max_length=512)
+    theirs = bos_original["hflm"](max_length=ours.max_length)
     try:
         docs = load_docs("humaneval")[:3]
-        kwargs = {"until": list(HUMANEVAL_UNTIL), "max_gen_toks": 48, "do_sample": False}
+        kwargs = {"until": list(HUMANEVAL_UNTIL), "max_gen_toks": budget, "do_sample": False}
         requests = [Instance("generate_until", doc, (doc["prompt"], dict(kwargs)), 0) for doc in docs]
-        assert all(len(ours.tok_encode(doc["prompt"])) + 48 <= 512 for doc in docs)
+        assert all(len(ours.tok_encode(doc["prompt"])) + budget <= ours.max_length for doc in docs)
         a, b = ours.generate_until(requests), theirs.generate_until(requests)
         assert len(a) == len(docs) and any(a), "the replies must not all be empty"
         assert a == b
@@ -486,11 +490,10 @@ def test_loglikelihood_rolling_matches_lm_evals_own_hf_model(bos_original):
     rolling windows (same ids, the same prefix token) and the same summed log-likelihood within 1e-4 for each
     text, one of them spanning several windows."""
     from lm_eval.api.instance import Instance
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     ours = bos_original["adapter"](max_length=16)
-    theirs = HFLM(pretrained=bos_original["checkpoint"], device="cpu", dtype="float32", batch_size=1, max_length=16)
+    theirs = bos_original["hflm"](max_length=16)
     try:
         assert theirs.max_length == ours.max_length == 16 and theirs.prefix_token_id == ours.prefix_token_id
         for text in ROLLING_TEXTS:
