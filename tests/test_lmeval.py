@@ -430,7 +430,7 @@ def bos_original(bos_model, tmp_path_factory):
 
         return HFLM(pretrained=str(original.checkpoint), device="cpu", dtype="float32", batch_size=1, **kwargs)
 
-    return {"checkpoint": str(original.checkpoint), "bos_id": bos_id, "adapter": adapter, "hflm": hflm}
+    return {"bos_id": bos_id, "adapter": adapter, "hflm": hflm}
 
 
 def test_the_adapter_encodes_and_scores_as_lm_evals_own_hf_model_on_a_bos_adding_tokenizer(bos_original):
