@@ -101,7 +101,7 @@ def test_compare_runs_its_stages_in_order_and_the_report_renders_them_without_me
 
 
 @pytest.mark.slow
-def test_a_report_of_a_run_without_its_speed_trials_names_the_stage_instead_of_measuring(tiny_cfg, monkeypatch):
+def test_a_report_names_the_stages_its_run_lacks_instead_of_measuring_or_borrowing_them(tiny_cfg, monkeypatch):
     assert run(tiny_cfg("variant=gguf_q8_0")) == 0
     _no_measuring(monkeypatch)
     cfg = tiny_cfg("command=report", "run.variants=[gguf_q8_0]")
@@ -111,6 +111,25 @@ def test_a_report_of_a_run_without_its_speed_trials_names_the_stage_instead_of_m
     assert summary["variants"]["gguf_q8_0"]["drift"]["kld_mean"] > 0
     md = (cfg.results_dir / "report.md").read_text()
     assert "Not in this report: speed (the speed trials have not run for this run's variants)" in md
+
+    # a load sweep that an earlier run left in the results folder, served from other artifacts: named, not shown
+    from pipeline.stages.load import evaluated_as
+    from pipeline.stages.variant_setup import load_result
+    from tests.test_load import _stored_sweep
+
+    _stored_sweep(cfg.results_dir, ["gguf_q8_0"], {"gguf_q8_0": "an earlier run's artifact"})
+    assert run(cfg) == 0
+    summary = json.loads((cfg.results_dir / "summary.json").read_text())
+    assert summary["load"] is None and "load" not in summary["variants"]["gguf_q8_0"]
+    assert "served other artifacts of gguf_q8_0 than this run evaluated" in summary["stages_missing"]["load"]
+    md = (cfg.results_dir / "report.md").read_text()
+    assert f"; load (the load sweep in {cfg.results_dir / 'load.json'} is not shown" in md
+    # the same sweep recorded beside this run's evaluation is this run's
+    _stored_sweep(cfg.results_dir, ["gguf_q8_0"], {"gguf_q8_0": evaluated_as(load_result(cfg, "gguf_q8_0"))})
+    assert run(cfg) == 0
+    summary = json.loads((cfg.results_dir / "summary.json").read_text())
+    assert "load" not in summary["stages_missing"] and set(summary["load"]["variants"]) == {"gguf_q8_0"}
+    assert summary["variants"]["gguf_q8_0"]["load"]["throughput_at_slo"] == 80.0
 
 
 def _teacher_forced(tmp_path, kld_per_conversation: list[float]):

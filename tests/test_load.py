@@ -888,3 +888,66 @@ def test_load_runtimes_must_name_runtimes_with_a_serving_engine():
     assert compose(["load=full"]).load.runtimes == ["llamacpp", "hf"]     # make load: every runtime
     with pytest.raises(ConfigError, match=r"load.runtimes=\['vllm'\].*serving engine \(\['hf', 'llamacpp'\]\)"):
         compose(["load.runtimes=[vllm]"])
+
+
+def _stored_sweep(results_dir: Path, names: list[str], evaluated: dict | None) -> None:
+    """A load.json as run_load writes it (the figures summarised from trials), served from the artifacts whose
+    evaluation identities are ``evaluated`` (None: a sweep written before load.json recorded them)."""
+    from pipeline.infra.files import write_json
+    from pipeline.stages.load import summarize
+    from tests.conftest import compose
+
+    table = [{"concurrency": c, "completed": 4, "errored": 0, "output_tokens_per_s": 40.0 * c, "itl_p99_s": 0.02,
+              "ttft_p99_s": 0.2, "peak_rss_mb": 300.0} for c in (1, 2)]
+    cfg = compose([])
+    raw = {"trials": {n: [{"depths": {"512": table}, "wall_s": 5.0, "cpu_noise": 0.0}] for n in names},
+           "plans": {n: {"engine": "llama-server", "version": "b1",
+                         "settings": {"threads": 2, "cache_type_k": "f16", "cache_type_v": "f16"}, "levels": [1, 2], "fits": 8,
+                         "ctx_per_slot": 1024} for n in names},
+           "skipped": {}, "depths": [512], "memory_budget_mb": 20000.0, "generator": "guidellm 0.5",
+           "output_tokens": 64, "load": {"concurrency": [1, 2], "repeats": 1, "knee_gain": 0.1,
+                                         "stop_past_knee": True, "name": "short"}}
+    body = summarize(raw, cfg.workload)
+    if evaluated is not None:
+        body["evaluated"] = evaluated
+    results_dir.mkdir(parents=True, exist_ok=True)
+    write_json(results_dir / "load.json", body)
+
+
+def test_the_summary_shows_a_load_sweep_only_beside_the_evaluation_it_served(tmp_path):
+    """A results folder can hold a load.json from an earlier run (other variants, other artifacts, or a sweep from
+    before load.json recorded what it served) while this run skipped the sweep (load=off): it is not this run's,
+    so the summary leaves it out and says why. A sweep of this run's artifacts is shown, with this run's variants
+    alone."""
+    from types import SimpleNamespace
+
+    from pipeline.stages.load import evaluated_as, load_sweep
+    from tests.conftest import compose
+
+    cfg = SimpleNamespace(results_dir=tmp_path, workload=compose([]).workload)
+
+    def result(path, digest):
+        return {"status": "ok", "runtime": "llamacpp", "artifact": {"path": path, "hash": digest}}
+
+    mine = {"gguf_q8_0": result("/a/q8.gguf", "h1"), "original": result("/a/original", "h0")}
+    earlier = {"gguf_q8_0": result("/old/q8.gguf", "h9"), "gguf_q4_0": result("/old/q4.gguf", "h4")}
+    assert load_sweep(cfg, mine) == (None, None)                                # no sweep at all
+    _stored_sweep(tmp_path, ["gguf_q8_0", "gguf_q4_0"], {n: evaluated_as(r) for n, r in earlier.items()})
+    sweep, why = load_sweep(cfg, mine)
+    assert sweep is None and "served other artifacts of gguf_q8_0 than this run evaluated" in why
+    assert str(tmp_path / "load.json") in why
+    _stored_sweep(tmp_path, ["gguf_q4_0"], {"gguf_q4_0": evaluated_as(earlier["gguf_q4_0"])})
+    assert "it measured other variants (gguf_q4_0)" in load_sweep(cfg, mine)[1]
+    _stored_sweep(tmp_path, ["gguf_q8_0"], None)
+    assert "does not record which evaluation" in load_sweep(cfg, mine)[1]
+    # this run's own sweep (another variant beside it: not in this run, so not in its summary)
+    _stored_sweep(tmp_path, ["gguf_q8_0", "gguf_q4_0"], {"gguf_q8_0": evaluated_as(mine["gguf_q8_0"]),
+                                                         "gguf_q4_0": evaluated_as(earlier["gguf_q4_0"])})
+    sweep, why = load_sweep(cfg, mine)
+    assert why is None and set(sweep["variants"]) == {"gguf_q8_0"}
+    assert sweep["variants"]["gguf_q8_0"]["throughput_at_slo"] == 80.0
+    # a variant swept before it was evaluated (`make load` first, no result then) is not held against the sweep
+    assert evaluated_as(None) is None and evaluated_as({"status": "failed"}) is None
+    _stored_sweep(tmp_path, ["gguf_q8_0"], {"gguf_q8_0": None})
+    assert load_sweep(cfg, {"gguf_q8_0": {"status": "skipped"}})[1] is None
+    assert "other artifacts of gguf_q8_0" in load_sweep(cfg, mine)[1]

@@ -62,7 +62,9 @@ def build_summary(cfg: Config) -> dict:
             v["capacity"] = capacity_plan(v, facts, cfg.capacity, latent)
     adjust_flip_tests(variants, cfg.decision.multiple_comparisons)
     benchmarks = attach_benchmarks(variants, results, cfg.run.bench_tasks, cfg.seed, cfg.decision.multiple_comparisons)
-    load_sweep_ = load_load(cfg)
+    load_sweep_, why = load_load(cfg, results)
+    if why:
+        missing["load"] = why
     attach_load(variants, load_sweep_)
     origin = facts.get("origin", "")
     machine = hardware()

@@ -195,9 +195,39 @@ def run_load(cfg, generate=None) -> dict:
                  "level of this one and more", shown.name, shown)
     else:
         shown = out_dir
-    result = {**sweep_figures(shown, cfg.workload), "logs": str(logs_dir(shown)), "stage": str(shown)}
+    from pipeline.stages.variant_setup import load_result
+
+    result = {**sweep_figures(shown, cfg.workload), "logs": str(logs_dir(shown)), "stage": str(shown),
+              # what the run's evaluation of each variant was made on: the summary shows this sweep only beside it
+              "evaluated": {n: evaluated_as(load_result(cfg, n)) for n in names}}
     write_json(cfg.results_dir / "load.json", result)
     return result
+
+
+def evaluated_as(result: dict | None) -> str | None:
+    """The identity of a variant's evaluation that a load sweep must share to stand beside it: the artifact its
+    result was measured on (path and hash) and its runtime; None where the variant has no evaluated result."""
+    if not result or result.get("status") != "ok":
+        return None
+    artifact = result.get("artifact") or {}
+    return stable_hash({"artifact": [artifact.get("path"), artifact.get("hash")], "runtime": result.get("runtime")})
+
+
+def sweep_of_run(sweep: dict, results: dict[str, dict]) -> str | None:
+    """Why the load sweep ``sweep`` (a load.json) is not this run's, whose variant results are ``results``; None
+    where it is: every evaluated variant of the run it served was served from the artifact the run evaluated."""
+    evaluated = sweep.get("evaluated")
+    served = [n for n in results if n in sweep.get("variants", {})]
+    if evaluated is None:
+        return ("it does not record which evaluation it was measured beside (written by an earlier version); "
+                "`quantdrift compare` writes it again")
+    if not served:
+        return f"it measured other variants ({', '.join(sweep.get('variants', {})) or 'none'})"
+    other = [n for n in served if (mine := evaluated_as(results[n])) is not None and evaluated.get(n) != mine]
+    if other:
+        return (f"it served other artifacts of {', '.join(other)} than this run evaluated (an earlier run's sweep); "
+                "`quantdrift compare` measures this run's")
+    return None
 
 
 def load_protocol(plans: dict) -> dict:
@@ -332,17 +362,26 @@ def output_tokens(cfg) -> int:
     return cfg.load.output_tokens or cfg.workload.output_tokens
 
 
-def load_sweep(cfg) -> dict | None:
-    """This run's load.json when `quantdrift command=load` has run (the summary and report read it), judged against the
-    workload of ``cfg`` (``make report ARGS="workload=batch"`` re-decides without measuring again)."""
+def load_sweep(cfg, results: dict[str, dict]) -> tuple[dict | None, str | None]:
+    """This run's load sweep (its load.json, written by `quantdrift compare` or `quantdrift command=load`) for the
+    summary and report, judged against the workload of ``cfg`` (``make report ARGS="workload=batch"`` re-decides
+    without measuring again) and holding only the variants of ``results`` (this run's results by variant):
+    (the sweep, None); (None, why) where the results folder holds a sweep that is not this run's (``sweep_of_run``);
+    (None, None) where there is none."""
     path = cfg.results_dir / "load.json"
     if not path.is_file():
-        return None
+        return None, None
     result = read_json(path)
+    why = sweep_of_run(result, results)
+    if why:
+        return None, f"the load sweep in {path} is not shown: {why}"
     stage = Path(result["stage"]) if result.get("stage") else None
     if stage is not None and (stage / "trials.json").is_file():   # the figures from the trials, with this code
-        return {**sweep_figures(stage, cfg.workload), "logs": result.get("logs"), "stage": result["stage"]}
-    return rejudge(result, cfg.workload)
+        sweep = {**sweep_figures(stage, cfg.workload), "logs": result.get("logs"), "stage": result["stage"]}
+    else:
+        sweep = rejudge(result, cfg.workload)
+    sweep["variants"] = {n: v for n, v in sweep["variants"].items() if n in results}
+    return sweep, None
 
 
 def attach_load(variants: dict, sweep: dict | None) -> None:
