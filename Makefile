@@ -72,7 +72,7 @@ else
 endif
 COMMON := $(MODEL_ARG) profile=$(PROFILE) run.suites=[$(SUITES)] $(ARGS)
 
-.PHONY: setup compare compare-deps print-compare-load load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-bindings llama-tools packages browser sandbox test-fast nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key test-all
+.PHONY: stage-costs setup compare compare-deps print-compare-load load report test bench calibration llmc-env print-llmc-python clean-venv converter chat-templates llama-bindings llama-tools packages browser sandbox test-fast nightly promote print-variants print-suites print-model-args print-llama-tools print-cpu-key test-all
 
 # setup: the Python environment and llama.cpp's one build (its tools and the libraries the pipeline loads).
 setup: $(VENV)/.installed
@@ -269,6 +269,10 @@ calibration: setup llmc-env
 
 bench: setup
 	$(VENV)/bin/quantdrift command=bench run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin $(COMMON)
+
+# stage-costs: a finished comparison's llama.cpp stages beside llama-bench and llama-batched-bench doing the same work
+stage-costs: setup
+	$(VENV)/bin/quantdrift command=stage_costs run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin $(COMMON)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -12,6 +12,7 @@
     quantdrift calibration [calibration_sweep.variants=[...]] [calibration_sweep.samples=[...]]
     quantdrift load run.variants=[...] [load=short|full] [workload=chat|batch]   served load sweep
     quantdrift plan [model=...|model.source=...] [run.variants=[...]] [plan.compare=true]   cost before any work
+    quantdrift stage_costs run.variants=[...]   a finished run's llama.cpp stages beside llama.cpp's own tools
 
 Exit codes: 0 done; 2 bad input or configuration (the message says which and what was expected);
 3 the run finished but at least one variant failed (the report lists it).
@@ -114,6 +115,13 @@ def _bench(cfg: Config) -> int:
     return run_bench(cfg)
 
 
+def _stage_costs(cfg: Config) -> int:
+    from pipeline.commands.stage_costs import run_stage_costs
+
+    run_stage_costs(cfg)
+    return 0
+
+
 def _calibration(cfg: Config) -> int:
     from pipeline.commands.calibration import run_sweep
 
@@ -168,7 +176,7 @@ def _load(cfg: Config) -> int:
 COMMANDS = {"evaluate": _evaluate, "compare": _compare, "report": _report, "redecide": _redecide, "regress": _regress,
             "baseline": _baseline,
             "corpus": _corpus, "bench": _bench, "prepare": _prepare, "calibration": _calibration,
-            "load": _load, "plan": _plan, "preflight": _preflight}
+            "load": _load, "plan": _plan, "preflight": _preflight, "stage_costs": _stage_costs}
 
 
 def run(cfg: Config) -> int:

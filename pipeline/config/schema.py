@@ -376,7 +376,7 @@ class Config:
     seed: int = 0
 
     COMMANDS = ("evaluate", "compare", "report", "redecide", "regress", "baseline", "corpus", "bench", "prepare", "calibration",
-                "load", "plan", "preflight")
+                "load", "plan", "preflight", "stage_costs")
 
     def __post_init__(self) -> None:
         _one_of("command", self.command, self.COMMANDS)

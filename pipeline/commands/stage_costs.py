@@ -1,0 +1,223 @@
+"""`make stage-costs` (`quantdrift stage_costs`): each llama.cpp stage of a finished comparison set beside llama.cpp's
+own tools doing the same work, on the same file with the same threads, batch size, flash-attention setting and KV
+types, on this machine now. Nothing of the run is measured again; its stage times are its manifests'.
+
+    free-running   the tokens the stage prefilled and decoded, per suite, at the suite's llama-batched-bench rates
+                   for that many sequences at once (the run's ``profile.batch``, at most the suite's conversations),
+                   a prompt of the suite's mean context and a reply of its mean length (the median of three runs)
+    scoring        the tokens read teacher-forced (each reference transcript once, and the exactness check's
+                   sample once more), at llama-bench's prompt rate for the mean transcript, plus the least
+                   arithmetic per scored row (the log-softmax normaliser of a float32 row of the vocabulary and the
+                   gather of its top-K candidates, timed here with numpy)
+
+The ratio stage ÷ tool says what the pipeline's own work (Python, sampling, the logits it copies, sequences that
+finish early in a batch) costs over the engine. A variant that is not a GGUF file, one whose replies are the reference's,
+and one screened out before free-running are listed with that reason. Written to ``stage_costs.json`` in the run's
+results folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+from pipeline.config.schema import Config
+from pipeline.infra.files import read_json, write_json
+
+log = logging.getLogger(__name__)
+
+# llama-batched-bench runs each shape once: the median of this many runs (llama-bench takes the median of its own 5)
+BATCHED_REPETITIONS = 3
+
+# (gguf, settings, prompt tokens) -> prompt tokens/s; (gguf, settings, prompt, reply, sequences) -> (prefill, decode)
+PromptRate = Callable[[Path, dict, int], float]
+BatchedRates = Callable[[Path, dict, int, int, int], tuple[float, float]]
+
+
+def run_stage_costs(cfg: Config, prompt_rate: PromptRate | None = None, batched_rates: BatchedRates | None = None,
+                    row_seconds: float | None = None) -> dict:
+    """The table for every variant of ``cfg.run.variants``; the tools' rates from ``prompt_rate`` and
+    ``batched_rates`` (llama-bench and llama-batched-bench unless given: tests pass their own)."""
+    from pipeline.plan.budget import kept_allocation
+    from pipeline.stages.variant_setup import load_result
+
+    cfg = kept_allocation(cfg)       # a run cut to its budget batched as it ran
+    prompt_rate = prompt_rate or _llama_bench_rate(cfg)
+    batched_rates = batched_rates or _batched_bench_rates(cfg)
+    rows, vocab = [], None
+    for name in cfg.run.variants or [cfg.variant.name]:
+        result = load_result(cfg, name)
+        why = _not_costed(result)
+        if why:
+            rows.append({"variant": name, "stage": "-", "status": "skipped", "reason": why})
+            continue
+        vocab = vocab or result["model"]["facts"]["vocab_size"]
+        if row_seconds is None:
+            row_seconds = extraction_seconds_per_row(vocab, cfg.reference.top_k)
+        gguf = Path(result["artifact"]["path"])
+        ev = result["evaluation"]
+        rows.append(free_running_cost(name, gguf, Path(ev["free_running_dir"]) if ev.get("free_running_dir") else None,
+                                      cfg.profile.batch, batched_rates))
+        rows.append(scoring_cost(name, gguf, Path(ev["scores_dir"]), cfg.model_dir / "reference" / cfg.run.name,
+                                 prompt_rate, row_seconds))
+    out = {"model": cfg.model.name, "run": cfg.run.name, "top_k": cfg.reference.top_k,
+           "row_seconds": row_seconds, "rows": rows}
+    write_json(cfg.results_dir / "stage_costs.json", out)
+    print(format_costs(out))
+    return out
+
+
+def _not_costed(result: dict | None) -> str | None:
+    if result is None:
+        return "not evaluated in this run (no result file)"
+    if result.get("status") != "ok":
+        return f"{result.get('status')}: {result.get('reason')}"
+    if not str((result.get("artifact") or {}).get("path", "")).endswith(".gguf"):
+        return f"on {result.get('runtime')}, not a GGUF file: llama.cpp's tools time GGUF files only"
+    return None
+
+
+def _settings(manifest: dict) -> dict:
+    info = manifest.get("runtime_info") or {}
+    return {k: info.get(k) for k in ("threads", "n_batch", "flash_attn", "cache_type_k", "cache_type_v", "kv_unified")}
+
+
+def free_running_cost(name: str, gguf: Path, stage: Path | None, batch: int, batched_rates: BatchedRates) -> dict:
+    """The free-running stage of one variant beside llama-batched-bench (module docstring)."""
+    row = {"variant": name, "stage": "free-running"}
+    if stage is None:
+        return {**row, "status": "skipped", "reason": "screened out before free-running"}
+    manifest = read_json(stage / "manifest.json")
+    if manifest.get("reused_reference"):
+        return {**row, "status": "skipped", "reason": "its replies are the reference's (no free-running of its own)"}
+    by_suite: dict[str, list[dict]] = {}
+    for line in (stage / "transcripts.jsonl").read_text().splitlines():
+        conv = json.loads(line)
+        by_suite.setdefault(conv["suite"], []).append(conv)
+    settings, engine_s, prefill, decode, suites = _settings(manifest), 0.0, 0, 0, {}
+    for suite, convs in by_suite.items():
+        turns = [t for c in convs for t in c["turns"]]
+        p = sum(t.get("prefill_tokens", t["prompt_tokens"]) for t in turns)
+        d = sum(t["end"] - t["start"] for t in turns)
+        ctx = round(statistics.mean(t["prompt_tokens"] for t in turns))
+        reply = max(1, round(d / len(turns)))
+        seqs = max(1, min(batch, len(convs)))
+        pp, tg = batched_rates(gguf, settings, ctx, reply, seqs)
+        s = p / pp + d / tg
+        suites[suite] = {"prefill_tokens": p, "decode_tokens": d, "context": ctx, "reply": reply, "sequences": seqs,
+                         "tool_prefill_tokens_per_s": pp, "tool_decode_tokens_per_s": tg, "tool_s": s}
+        engine_s, prefill, decode = engine_s + s, prefill + p, decode + d
+    return {**row, "status": "ok", "stage_s": manifest["wall_s"], "tool_s": engine_s,
+            "ratio": manifest["wall_s"] / engine_s if engine_s else None,
+            "work": f"{prefill:,} prefilled + {decode:,} decoded tokens", "tool": "llama-batched-bench",
+            "settings": settings, "suites": suites}
+
+
+def scoring_cost(name: str, gguf: Path, stage: Path, references: Path, prompt_rate: PromptRate,
+                 row_seconds: float) -> dict:
+    """The teacher-forced scoring stage of one variant beside llama-bench's prompt processing (module docstring)."""
+    manifest = read_json(stage / "manifest.json")
+    scored = read_json(stage / "teacher_forced.json")
+    lengths = []
+    positions = 0
+    for suite, convs in scored.items():
+        ids = {}
+        for line in (references / suite / "transcripts.jsonl").read_text().splitlines():
+            conv = json.loads(line)
+            ids[conv["id"]] = len(conv["ids"])
+        for cid, conv in convs.items():
+            lengths.append(ids[cid])
+            positions += len(conv["kld"])
+        # the exactness check: the sample transcript read once more, its sampled rows against the exact ones
+        exact = (manifest.get("kld_exactness") or {}).get(suite)
+        if exact:
+            lengths.append(ids[exact["sample"].split("/", 1)[1]])
+            positions += exact["tokens"]
+    settings = _settings(manifest)
+    mean_len = round(statistics.mean(lengths))
+    rate = prompt_rate(gguf, settings, mean_len)
+    tool_s = sum(lengths) / rate + positions * row_seconds
+    nested = nested_seconds(manifest, [references / f"{suite}-exact_sample" for suite in scored])
+    stage_s = manifest["wall_s"] - nested
+    return {"variant": name, "stage": "scoring", "status": "ok", "stage_s": stage_s, "tool_s": tool_s,
+            "ratio": stage_s / tool_s if tool_s else None, "nested_s": nested,
+            "work": f"{sum(lengths):,} tokens read, {positions:,} rows scored"
+                    + (f" (less {nested:.1f} s of the original's exact rows built inside it)" if nested else ""),
+            "tool": "llama-bench + numpy rows",
+            "settings": settings, "tokens_read": sum(lengths), "rows_scored": positions, "mean_transcript": mean_len,
+            "tool_prompt_tokens_per_s": rate, "rows_s": positions * row_seconds}
+
+
+def nested_seconds(manifest: dict, inner: list[Path]) -> float:
+    """The seconds of the stages among ``inner`` that were built inside the stage of ``manifest`` (the first scoring
+    stage builds the original's exact rows on transformers, a stage of its own): each finished while it ran."""
+    end = manifest["created_unix"]
+    start = end - manifest["wall_s"]
+    total = 0.0
+    for folder in inner:
+        if (folder / "manifest.json").is_file():
+            m = read_json(folder / "manifest.json")
+            if start <= m["created_unix"] <= end:
+                total += m["wall_s"]
+    return total
+
+
+def extraction_seconds_per_row(vocab: int, top_k: int, rows: int = 256, repeats: int = 5) -> float:
+    """The least work scoring does per row beyond the engine: a float32 row's log-softmax normaliser and the gather
+    of ``top_k`` candidates, in numpy; the median of ``repeats`` timings of ``rows`` rows, per row."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((rows, vocab), dtype=np.float32)
+    cand = rng.integers(0, vocab, (rows, top_k))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        top = logits.max(axis=1, keepdims=True)
+        lse = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+        np.take_along_axis(logits, cand, axis=1) - lse[:, None]
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) / rows
+
+
+def _llama_bench_rate(cfg: Config) -> PromptRate:
+    from pipeline.commands.llama_bench import run_llama_bench
+    from pipeline.infra.llama_tools import tool
+
+    def rate(gguf: Path, s: dict, prompt: int) -> float:
+        out = run_llama_bench(tool("llama-bench", cfg.bench.llama_tools), gguf, s["threads"], s["n_batch"],
+                              bool(s["flash_attn"]), (s["cache_type_k"], s["cache_type_v"]), prompt, 1)
+        return out["prefill_tokens_per_s"]
+
+    return rate
+
+
+def _batched_bench_rates(cfg: Config) -> BatchedRates:
+    from pipeline.instruments.batched_bench import run_llama_batched_bench
+    from pipeline.infra.llama_tools import tool
+
+    def rates(gguf: Path, s: dict, prompt: int, reply: int, sequences: int) -> tuple[float, float]:
+        runs = [run_llama_batched_bench(tool("llama-batched-bench", cfg.bench.llama_tools), gguf, s["threads"],
+                                        s["n_batch"], bool(s["flash_attn"]), prompt, reply, [sequences],
+                                        (s["cache_type_k"], s["cache_type_v"]),
+                                        kv_unified=bool(s["kv_unified"]))[sequences]
+                for _ in range(BATCHED_REPETITIONS)]
+        return (statistics.median(r["prefill_tokens_per_s"] for r in runs),
+                statistics.median(r["decode_tokens_per_s"] for r in runs))
+
+    return rates
+
+
+def format_costs(out: dict) -> str:
+    lines = [f"stage costs of run {out['run']} ({out['model']}) beside llama.cpp's tools on this machine now",
+             "| variant | stage | work | stage s | tool s | stage / tool |", "|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['variant']} | {r['stage']} | not costed: {r['reason']} | | | |")
+            continue
+        lines.append(f"| {r['variant']} | {r['stage']} | {r['work']} | {r['stage_s']:.1f} | {r['tool_s']:.1f} "
+                     f"| {r['ratio']:.2f} |")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""A finished run's llama.cpp stages set beside llama.cpp's own tools doing the same work: the work each stage did is
+read from its own outputs (tokens prefilled and decoded per suite, tokens read and rows scored), the tools' rates
+are asked for that work, and what cannot be costed says why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.commands.stage_costs import extraction_seconds_per_row, format_costs, run_stage_costs
+from pipeline.infra.files import write_json
+
+SETTINGS = {"threads": 2, "n_batch": 512, "flash_attn": True, "cache_type_k": "f16", "cache_type_v": "f16",
+            "kv_unified": False}
+
+
+def _turn(prompt: int, prefill: int, reply: int) -> dict:
+    return {"start": 0, "end": reply, "prompt_tokens": prompt, "prefill_tokens": prefill}
+
+
+def _run(cfg, tmp_path: Path) -> None:
+    """A run of four variants as a comparison leaves it: gguf_q8_0 free-ran and was scored on llama.cpp, gguf_f16
+    reused the reference's replies, gguf_q4_0 was screened out after scoring, the original ran on transformers."""
+    run = cfg.model_dir / "runs" / cfg.run.name
+    refs = cfg.model_dir / "reference" / cfg.run.name
+    for suite, convs in {"long_output": {"a": 600, "b": 400}, "multi_turn": {"c": 300}}.items():
+        (refs / suite).mkdir(parents=True)
+        (refs / suite / "transcripts.jsonl").write_text(
+            "".join(json.dumps({"id": cid, "suite": suite, "ids": [1] * n}) + "\n" for cid, n in convs.items()))
+    info = {"runtime_info": {**SETTINGS, "runtime": "llamacpp"}}
+    # the first scoring stage (gguf_f16's, ending at t=1000) built the original's exact rows of both suites inside it
+    ends = {"gguf_f16": 1000.0, "gguf_q8_0": 1100.0, "gguf_q4_0": 1200.0, "original": 900.0}
+    for suite, at in (("long_output", 980.0), ("multi_turn", 990.0)):
+        write_json(refs / f"{suite}-exact_sample" / "manifest.json", {"wall_s": 4.0, "created_unix": at})
+    facts = {"vocab_size": 1000}
+
+    def variant(name: str, free: dict | None, reused: bool = False, runtime: str = "llamacpp") -> None:
+        ev = {"scores_dir": str(run / f"{name}.scores"), "free_running_dir": str(run / name) if free or reused else None}
+        write_json(run / f"{name}.result.json", {"status": "ok", "runtime": runtime, "model": {"facts": facts},
+                                                 "artifact": {"path": f"/files/{name}" + (".gguf" if runtime == "llamacpp" else "")}, "evaluation": ev})
+        exactness = {"long_output": {"sample": "long_output/a", "tokens": 40}} if name == "gguf_q8_0" else None
+        write_json(run / f"{name}.scores" / "manifest.json", {**info, "wall_s": 30.0, "created_unix": ends[name],
+                                                              "kld_exactness": exactness})
+        write_json(run / f"{name}.scores" / "teacher_forced.json",
+                   {"long_output": {"a": {"kld": [0.0] * 200}, "b": {"kld": [0.0] * 100}},
+                    "multi_turn": {"c": {"kld": [0.0] * 50}}})
+        if free or reused:
+            write_json(run / name / "manifest.json", {**info, "wall_s": 60.0, "reused_reference": reused})
+            (run / name / "transcripts.jsonl").write_text(
+                "".join(json.dumps({"id": cid, "suite": s, "turns": turns}) + "\n" for (s, cid), turns in
+                        (free or {}).items()))
+
+    variant("gguf_q8_0", {("long_output", "a"): [_turn(400, 400, 200)], ("long_output", "b"): [_turn(300, 300, 100)],
+                          ("multi_turn", "c"): [_turn(100, 100, 20), _turn(200, 80, 30)]})
+    variant("gguf_f16", None, reused=True)
+    variant("gguf_q4_0", None)
+    variant("original", None, runtime="hf")
+
+
+def test_each_llama_cpp_stage_is_costed_at_the_tools_rates_for_the_work_it_did(tiny_cfg, tmp_path, capsys):
+    cfg = tiny_cfg("run.variants=[gguf_q8_0,gguf_f16,gguf_q4_0,original,awq_w4]", "profile.batch=8")
+    _run(cfg, tmp_path)
+    prompt_calls, batched_calls = [], []
+
+    def prompt_rate(gguf, settings, prompt):
+        prompt_calls.append((gguf.name, settings, prompt))
+        return 100.0                                     # tokens/s
+
+    def batched_rates(gguf, settings, prompt, reply, sequences):
+        batched_calls.append((gguf.name, prompt, reply, sequences))
+        return 200.0, 10.0                               # prefill, decode tokens/s
+
+    out = run_stage_costs(cfg, prompt_rate, batched_rates, row_seconds=0.001)
+    rows = {(r["variant"], r["stage"]): r for r in out["rows"]}
+    # free-running, per suite: long_output's two conversations decoded together (700 prefilled, 300 decoded);
+    # multi_turn's one conversation, each turn prefilling only what is new (180 prefilled, 50 decoded)
+    assert sorted(batched_calls) == [("gguf_q8_0.gguf", 150, 25, 1), ("gguf_q8_0.gguf", 350, 150, 2)]
+    free = rows[("gguf_q8_0", "free-running")]
+    assert free["tool_s"] == pytest.approx(700 / 200 + 300 / 10 + 180 / 200 + 50 / 10)
+    assert free["ratio"] == pytest.approx(60.0 / free["tool_s"])
+    assert free["work"] == "880 prefilled + 350 decoded tokens"
+    # scoring: every reference transcript read once (1,300 tokens), 350 rows, and the exactness check's sample once
+    # more (600 tokens, 40 rows), at the rate for the mean transcript
+    assert prompt_calls == [("gguf_q8_0.gguf", SETTINGS, 475), ("gguf_f16.gguf", SETTINGS, 433),
+                            ("gguf_q4_0.gguf", SETTINGS, 433)]
+    score = rows[("gguf_q8_0", "scoring")]
+    assert score["tool_s"] == pytest.approx(1900 / 100 + 390 * 0.001) and score["ratio"] == pytest.approx(30.0 / 19.39)
+    # what cannot be costed says why
+    f16 = rows[("gguf_f16", "scoring")]                  # the exact rows built inside it are not its work
+    assert f16["stage_s"] == 30.0 - 8.0 and f16["nested_s"] == 8.0 and "less 8.0 s" in f16["work"]
+    assert score["nested_s"] == 0
+    assert "reference's" in rows[("gguf_f16", "free-running")]["reason"]
+    assert "screened out" in rows[("gguf_q4_0", "free-running")]["reason"]
+    assert "on hf, not a GGUF file" in rows[("original", "-")]["reason"]
+    assert "no result file" in rows[("awq_w4", "-")]["reason"]
+    assert json.loads((cfg.results_dir / "stage_costs.json").read_text())["rows"] == out["rows"]
+    table = format_costs(out)
+    assert "| gguf_q8_0 | scoring | 1,900 tokens read, 390 rows scored | 30.0 | 19.4 | 1.55 |" in table
+    assert "| original | - | not costed: on hf, not a GGUF file" in table
+
+
+def test_the_least_work_per_scored_row_grows_with_the_vocabulary():
+    small, large = extraction_seconds_per_row(4096, 64), extraction_seconds_per_row(65536, 64)
+    assert 0 < small < large
+
+
+@pytest.mark.slow
+def test_a_tiny_runs_stages_are_costed_by_the_real_llama_bench_and_batched_bench(tiny_cfg):
+    """The tools run on the variant's own file with its stage's settings (a run of the tiny model's Q8_0)."""
+    from pipeline.cli import run
+
+    assert run(tiny_cfg("variant=gguf_q8_0")) == 0
+    out = run_stage_costs(tiny_cfg("command=stage_costs", "run.variants=[gguf_q8_0]"))
+    rows = {r["stage"]: r for r in out["rows"]}
+    assert set(rows) == {"free-running", "scoring"} and all(r["status"] == "ok" for r in rows.values())
+    assert rows["scoring"]["tool_prompt_tokens_per_s"] > 0 and rows["scoring"]["tokens_read"] > 0
+    for suite in rows["free-running"]["suites"].values():
+        assert suite["tool_prefill_tokens_per_s"] > 0 and suite["tool_decode_tokens_per_s"] > 0
+    assert all(r["stage_s"] > 0 and r["ratio"] > 0 for r in rows.values())
+    assert rows["scoring"]["settings"]["threads"] == rows["free-running"]["settings"]["threads"] >= 1
