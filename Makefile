@@ -14,17 +14,17 @@ LLAMA_CPP_VERSION ?= 0.3.36
 CACHE ?= .cache
 LLAMA_CPP_SRC := $(CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)
 
-# `make report`, `make promote` and `make nightly` without MODEL= act on the model this clone has run (each
-# `make compare` records its MODEL and VARIANTS in artifacts/.runs/); with runs of several models they ask for
-# MODEL=. VARIANTS then defaults to the variants that model was compared with.
+# `make report`, `make promote`, `make nightly` and `make stage-costs` without MODEL= act on the model this clone has
+# run (each `make compare` records its MODEL and VARIANTS in artifacts/.runs/); with runs of several models they ask
+# for MODEL=. VARIANTS then defaults to the variants that model was compared with.
 RUN_RECORDS := $(sort $(wildcard artifacts/.runs/*.mk))
 RUN_RECORD = artifacts/.runs/$(shell printf '%s' '$(MODEL)' | sha1sum | cut -c1-8).mk
-ifneq ($(filter report promote nightly,$(MAKECMDGOALS)),)
+ifneq ($(filter report promote nightly stage-costs,$(MAKECMDGOALS)),)
   ifeq ($(origin MODEL),undefined)
     ifeq ($(words $(RUN_RECORDS)),1)
       include $(RUN_RECORDS)
     else ifneq ($(words $(RUN_RECORDS)),0)
-      $(error runs of several models exist here ($(foreach r,$(RUN_RECORDS),$(shell sed -n 's/^MODEL := //p' $(r)))): pass MODEL=... to make $(filter report promote nightly,$(MAKECMDGOALS)))
+      $(error runs of several models exist here ($(foreach r,$(RUN_RECORDS),$(shell sed -n 's/^MODEL := //p' $(r)))): pass MODEL=... to make $(filter report promote nightly stage-costs,$(MAKECMDGOALS)))
     endif
   else ifeq ($(origin VARIANTS),undefined)
     ifneq ($(wildcard $(RUN_RECORD)),)
