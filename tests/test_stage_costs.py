@@ -25,10 +25,17 @@ def _run(cfg, tmp_path: Path) -> None:
     reused the reference's replies, gguf_q4_0 was screened out after scoring, the original ran on transformers."""
     run = cfg.model_dir / "runs" / cfg.run.name
     refs = cfg.model_dir / "reference" / cfg.run.name
+    # the references: long_output's from the F16 file on llama.cpp, multi_turn's from the original on transformers
     for suite, convs in {"long_output": {"a": 600, "b": 400}, "multi_turn": {"c": 300}}.items():
         (refs / suite).mkdir(parents=True)
         (refs / suite / "transcripts.jsonl").write_text(
-            "".join(json.dumps({"id": cid, "suite": suite, "ids": [1] * n}) + "\n" for cid, n in convs.items()))
+            "".join(json.dumps({"id": cid, "suite": suite, "ids": [1] * n, "turns": [_turn(n - 100, n - 100, 100)]})
+                    + "\n" for cid, n in convs.items()))
+        producer = "gguf_f16@llamacpp" if suite == "long_output" else "original@hf"
+        write_json(refs / suite / "manifest.json", {"wall_s": 40.0, "producer": producer})
+        write_json(refs / f"{suite}-logprobs" / "manifest.json", {"wall_s": 20.0})
+    (cfg.model_dir / "variants" / "gguf_f16").mkdir(parents=True)
+    (cfg.model_dir / "variants" / "gguf_f16" / "model-f16.gguf").write_bytes(b"GGUF")
     info = {"runtime_info": {**SETTINGS, "runtime": "llamacpp"}}
     # the first scoring stage (gguf_f16's, ending at t=1000) built the original's exact rows of both suites inside it
     ends = {"gguf_f16": 1000.0, "gguf_q8_0": 1100.0, "gguf_q4_0": 1200.0, "original": 900.0}
@@ -60,7 +67,8 @@ def _run(cfg, tmp_path: Path) -> None:
 
 
 def test_each_llama_cpp_stage_is_costed_at_the_tools_rates_for_the_work_it_did(tiny_cfg, tmp_path, capsys):
-    cfg = tiny_cfg("run.variants=[gguf_q8_0,gguf_f16,gguf_q4_0,original,awq_w4]", "profile.batch=8")
+    cfg = tiny_cfg("run.variants=[gguf_q8_0,gguf_f16,gguf_q4_0,original,awq_w4]", "profile.batch=8",
+                   "run.suites=[long_output,multi_turn]")
     _run(cfg, tmp_path)
     prompt_calls, batched_calls = [], []
 
@@ -74,6 +82,18 @@ def test_each_llama_cpp_stage_is_costed_at_the_tools_rates_for_the_work_it_did(t
 
     out = run_stage_costs(cfg, prompt_rate, batched_rates, row_seconds=0.001)
     rows = {(r["variant"], r["stage"]): r for r in out["rows"]}
+    # the reference produced on llama.cpp: its free-running (two sequences at once: 800 prefilled, 200 decoded) and
+    # its log-probs (1,000 tokens read, 200 rows' top-K kept at the selection's measured cost per row)
+    ref_free, ref_lp = rows[("reference long_output", "free-running")], rows[("reference long_output", "log-probs")]
+    assert [c for c in batched_calls if c[0] == "model-f16.gguf"] == [("model-f16.gguf", 400, 100, 2)]
+    assert [c[::2] for c in prompt_calls if c[0] == "model-f16.gguf"] == [("model-f16.gguf", 500)]
+    assert ref_free["tool_s"] == pytest.approx(800 / 200 + 200 / 10) and ref_free["stage_s"] == 40.0
+    assert ref_free["settings"]["cache_type_k"] == "f16" and ref_free["settings"]["threads"] == cfg.runtime.n_threads
+    assert ref_lp["tool_s"] == pytest.approx(1000 / 100 + 200 * out["select_row_seconds"]) and ref_lp["stage_s"] == 20.0
+    assert out["select_row_seconds"] > 0
+    assert "produced by original@hf, not a GGUF file" in rows[("reference multi_turn", "-")]["reason"]
+    batched_calls[:] = [c for c in batched_calls if c[0] != "model-f16.gguf"]
+    prompt_calls[:] = [c for c in prompt_calls if c[0] != "model-f16.gguf"]
     # free-running, per suite: long_output's two conversations decoded together (700 prefilled, 300 decoded);
     # multi_turn's one conversation, each turn prefilling only what is new (180 prefilled, 50 decoded)
     assert sorted(batched_calls) == [("gguf_q8_0.gguf", 150, 25, 1), ("gguf_q8_0.gguf", 350, 150, 2)]
@@ -101,9 +121,9 @@ def test_each_llama_cpp_stage_is_costed_at_the_tools_rates_for_the_work_it_did(t
     assert "| original | - | not costed: on hf, not a GGUF file" in table
 
 
-def test_the_least_work_per_scored_row_grows_with_the_vocabulary():
+def test_the_least_work_per_scored_row_grows_with_the_vocabulary_and_the_selection_of_the_top_k():
     small, large = extraction_seconds_per_row(4096, 64), extraction_seconds_per_row(65536, 64)
-    assert 0 < small < large
+    assert 0 < small < large < extraction_seconds_per_row(65536, 64, select=True)
 
 
 @pytest.mark.slow
@@ -113,10 +133,14 @@ def test_a_tiny_runs_stages_are_costed_by_the_real_llama_bench_and_batched_bench
 
     assert run(tiny_cfg("variant=gguf_q8_0")) == 0
     out = run_stage_costs(tiny_cfg("command=stage_costs", "run.variants=[gguf_q8_0]"))
-    rows = {r["stage"]: r for r in out["rows"]}
-    assert set(rows) == {"free-running", "scoring"} and all(r["status"] == "ok" for r in rows.values())
-    assert rows["scoring"]["tool_prompt_tokens_per_s"] > 0 and rows["scoring"]["tokens_read"] > 0
-    for suite in rows["free-running"]["suites"].values():
+    rows = {(r["variant"], r["stage"]): r for r in out["rows"]}
+    assert set(rows) == {("gguf_q8_0", "free-running"), ("gguf_q8_0", "scoring"), ("reference smoke", "free-running"),
+                         ("reference smoke", "log-probs")}
+    assert all(r["status"] == "ok" for r in rows.values())
+    score, free = rows[("gguf_q8_0", "scoring")], rows[("gguf_q8_0", "free-running")]
+    assert score["tool_prompt_tokens_per_s"] > 0 and score["tokens_read"] > 0
+    for suite in free["suites"].values():
         assert suite["tool_prefill_tokens_per_s"] > 0 and suite["tool_decode_tokens_per_s"] > 0
     assert all(r["stage_s"] > 0 and r["ratio"] > 0 for r in rows.values())
-    assert rows["scoring"]["settings"]["threads"] == rows["free-running"]["settings"]["threads"] >= 1
+    assert score["settings"]["threads"] == free["settings"]["threads"] >= 1
+    assert rows[("reference smoke", "log-probs")]["file"] == "model-f16.gguf"

@@ -9,11 +9,14 @@ types, on this machine now. Nothing of the run is measured again; its stage time
                    sample once more), at llama-bench's prompt rate for the mean transcript, plus the least
                    arithmetic per scored row (the log-softmax normaliser of a float32 row of the vocabulary and the
                    gather of its top-K candidates, timed here with numpy)
+    references     per suite, the reference's free-running as a variant's, and its log-probs as scoring with the
+                   selection of each reply position's top K in place of the gather (where a GGUF file on
+                   llama.cpp produced them, with the run's runtime settings)
 
 The ratio stage ÷ tool says what the pipeline's own work (Python, sampling, the logits it copies, sequences that
-finish early in a batch) costs over the engine. A variant that is not a GGUF file, one whose replies are the reference's,
-and one screened out before free-running are listed with that reason. Written to ``stage_costs.json`` in the run's
-results folder."""
+finish early in a batch) costs over the engine. A variant that is not a GGUF file, one whose replies are the
+reference's, and one screened out before free-running are listed with that reason, as is a reference produced on
+another runtime. Written to ``stage_costs.json`` in the run's results folder."""
 
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ def run_stage_costs(cfg: Config, prompt_rate: PromptRate | None = None, batched_
     cfg = kept_allocation(cfg)       # a run cut to its budget batched as it ran
     prompt_rate = prompt_rate or _llama_bench_rate(cfg)
     batched_rates = batched_rates or _batched_bench_rates(cfg)
-    rows, vocab = [], None
+    rows, vocab, select_seconds = [], None, None
     for name in cfg.run.variants or [cfg.variant.name]:
         result = load_result(cfg, name)
         why = _not_costed(result)
@@ -63,8 +66,11 @@ def run_stage_costs(cfg: Config, prompt_rate: PromptRate | None = None, batched_
                                       cfg.profile.batch, batched_rates))
         rows.append(scoring_cost(name, gguf, Path(ev["scores_dir"]), cfg.model_dir / "reference" / cfg.run.name,
                                  prompt_rate, row_seconds))
+    if vocab is not None:
+        select_seconds = extraction_seconds_per_row(vocab, cfg.reference.top_k, select=True)
+    rows[:0] = reference_costs(cfg, prompt_rate, batched_rates, select_seconds)
     out = {"model": cfg.model.name, "run": cfg.run.name, "top_k": cfg.reference.top_k,
-           "row_seconds": row_seconds, "rows": rows}
+           "row_seconds": row_seconds, "select_row_seconds": select_seconds, "rows": rows}
     write_json(cfg.results_dir / "stage_costs.json", out)
     print(format_costs(out))
     return out
@@ -85,8 +91,51 @@ def _settings(manifest: dict) -> dict:
     return {k: info.get(k) for k in ("threads", "n_batch", "flash_attn", "cache_type_k", "cache_type_v", "kv_unified")}
 
 
-def free_running_cost(name: str, gguf: Path, stage: Path | None, batch: int, batched_rates: BatchedRates) -> dict:
-    """The free-running stage of one variant beside llama-batched-bench (module docstring)."""
+def reference_costs(cfg: Config, prompt_rate: PromptRate, batched_rates: BatchedRates,
+                    select_seconds: float | None) -> list[dict]:
+    """Per suite, the reference's free-running and log-probs stages beside the tools, where a GGUF file on llama.cpp
+    produced them (``reference.producer``) with the run's runtime settings: the log-probs read each transcript once
+    and keep every reply position's top-K, whose least arithmetic is a row's normaliser and the selection of its
+    top K (``select_seconds`` per row)."""
+    from pipeline.compose import variant_of
+
+    base, rows = cfg.model_dir / "reference" / cfg.run.name, []
+    for suite in cfg.run.suites:
+        label = f"reference {suite}"
+        if not (base / suite / "manifest.json").is_file():
+            rows.append({"variant": label, "stage": "-", "status": "skipped", "reason": "not built for this run"})
+            continue
+        producer = read_json(base / suite / "manifest.json").get("producer", "")
+        name, _, runtime = producer.partition("@")
+        files = sorted((cfg.model_dir / "variants" / name).glob("*.gguf")) if name else []
+        if not files or select_seconds is None:
+            why = (f"produced by {producer}, not a GGUF file: llama.cpp's tools time GGUF files only" if not files
+                   else "no variant of this run was costed (the vocabulary's row arithmetic is timed with them)")
+            rows.append({"variant": label, "stage": "-", "status": "skipped", "reason": why})
+            continue
+        opts = variant_of(cfg, name).runtime_options
+        settings = {"threads": cfg.runtime.n_threads, "n_batch": cfg.runtime.n_batch,
+                    "flash_attn": cfg.runtime.flash_attn if opts.get("flash_attn") is None else opts["flash_attn"],
+                    "cache_type_k": opts.get("cache_type_k", "f16"), "cache_type_v": opts.get("cache_type_v", "f16"),
+                    "kv_unified": cfg.runtime.kv_unified}
+        rows.append(free_running_cost(label, files[0], base / suite, cfg.profile.batch, batched_rates, settings))
+        convs = [json.loads(line) for line in (base / suite / "transcripts.jsonl").read_text().splitlines()]
+        read = sum(len(c["ids"]) for c in convs)
+        kept = sum(t["end"] - t["start"] for c in convs for t in c["turns"])
+        rate = prompt_rate(files[0], settings, round(read / len(convs)))
+        tool_s = read / rate + kept * select_seconds
+        wall = read_json(base / f"{suite}-logprobs" / "manifest.json")["wall_s"]
+        rows.append({"variant": label, "stage": "log-probs", "status": "ok", "stage_s": wall, "tool_s": tool_s,
+                     "ratio": wall / tool_s, "work": f"{read:,} tokens read, {kept:,} rows' top-{cfg.reference.top_k}",
+                     "tool": "llama-bench + numpy rows", "settings": settings, "tokens_read": read, "rows_kept": kept,
+                     "tool_prompt_tokens_per_s": rate, "file": files[0].name, "producer": producer})
+    return rows
+
+
+def free_running_cost(name: str, gguf: Path, stage: Path | None, batch: int, batched_rates: BatchedRates,
+                      settings: dict | None = None) -> dict:
+    """The free-running stage of one variant (or of the reference, with the run's ``settings``: its manifest keeps
+    none) beside llama-batched-bench (module docstring)."""
     row = {"variant": name, "stage": "free-running"}
     if stage is None:
         return {**row, "status": "skipped", "reason": "screened out before free-running"}
@@ -97,7 +146,8 @@ def free_running_cost(name: str, gguf: Path, stage: Path | None, batch: int, bat
     for line in (stage / "transcripts.jsonl").read_text().splitlines():
         conv = json.loads(line)
         by_suite.setdefault(conv["suite"], []).append(conv)
-    settings, engine_s, prefill, decode, suites = _settings(manifest), 0.0, 0, 0, {}
+    settings = settings or _settings(manifest)
+    engine_s, prefill, decode, suites = 0.0, 0, 0, {}
     for suite, convs in by_suite.items():
         turns = [t for c in convs for t in c["turns"]]
         p = sum(t.get("prefill_tokens", t["prompt_tokens"]) for t in turns)
@@ -165,9 +215,11 @@ def nested_seconds(manifest: dict, inner: list[Path]) -> float:
     return total
 
 
-def extraction_seconds_per_row(vocab: int, top_k: int, rows: int = 256, repeats: int = 5) -> float:
+def extraction_seconds_per_row(vocab: int, top_k: int, select: bool = False, rows: int = 256,
+                               repeats: int = 5) -> float:
     """The least work scoring does per row beyond the engine: a float32 row's log-softmax normaliser and the gather
-    of ``top_k`` candidates, in numpy; the median of ``repeats`` timings of ``rows`` rows, per row."""
+    of ``top_k`` candidates (``select``: the reference's selection of its top ``top_k`` first), in numpy; the median
+    of ``repeats`` timings of ``rows`` rows, per row."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -178,6 +230,9 @@ def extraction_seconds_per_row(vocab: int, top_k: int, rows: int = 256, repeats:
         t = time.perf_counter()
         top = logits.max(axis=1, keepdims=True)
         lse = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+        if select:
+            k = min(top_k, vocab)
+            cand = np.argpartition(logits, vocab - k, axis=1)[:, vocab - k:]
         np.take_along_axis(logits, cand, axis=1) - lse[:, None]
         times.append(time.perf_counter() - t)
     return statistics.median(times) / rows
