@@ -921,7 +921,8 @@ def test_the_summary_shows_a_load_sweep_only_beside_the_evaluation_it_served(tmp
     alone."""
     from types import SimpleNamespace
 
-    from pipeline.stages.load import evaluated_as, load_sweep
+    from pipeline.decide.load_summary import load_sweep
+    from pipeline.stages.load import evaluated_as
     from tests.conftest import compose
 
     cfg = SimpleNamespace(results_dir=tmp_path, workload=compose([]).workload)

@@ -15,8 +15,8 @@ from pipeline.decide.bench_summary import attach_benchmarks
 from pipeline.decide.variant_summary import imatrix_effects, variant_summary
 from pipeline.runtimes import runtime_class
 from pipeline.decide.calibration_sweep import load_sweep
-from pipeline.stages.load import attach_load
-from pipeline.stages.load import load_sweep as load_load
+from pipeline.decide.load_summary import attach_load
+from pipeline.decide.load_summary import load_sweep as load_load
 from pipeline.config.summary_contract import DECODING_KEYS, validate_summary
 from pipeline.config.schema import Config
 from pipeline.decide.recommendation import decide
