@@ -20,7 +20,6 @@ another runtime. Written to ``stage_costs.json`` in the run's results folder."""
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
@@ -28,7 +27,9 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.config.schema import Config
-from pipeline.infra.files import read_json, write_json
+from pipeline.infra.files import read_json, read_jsonl, write_json
+from pipeline.infra.stage_cache import load_manifest
+from pipeline.infra.stage_folders import own_seconds, stage_span
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def run_stage_costs(cfg: Config, prompt_rate: PromptRate | None = None, batched_
     cfg = kept_allocation(cfg)       # a run cut to its budget batched as it ran
     prompt_rate = prompt_rate or _llama_bench_rate(cfg)
     batched_rates = batched_rates or _batched_bench_rates(cfg)
-    rows, vocab, select_seconds = [], None, None
+    rows, vocab, select_seconds, lengths_by_suite = [], None, None, {}
     for name in cfg.run.variants or [cfg.variant.name]:
         result = load_result(cfg, name)
         why = _not_costed(result)
@@ -65,7 +66,7 @@ def run_stage_costs(cfg: Config, prompt_rate: PromptRate | None = None, batched_
         rows.append(free_running_cost(name, gguf, Path(ev["free_running_dir"]) if ev.get("free_running_dir") else None,
                                       cfg.profile.batch, batched_rates))
         rows.append(scoring_cost(name, gguf, Path(ev["scores_dir"]), cfg.model_dir / "reference" / cfg.run.name,
-                                 prompt_rate, row_seconds))
+                                 lengths_by_suite, prompt_rate, row_seconds))
     if vocab is not None:
         select_seconds = extraction_seconds_per_row(vocab, cfg.reference.top_k, select=True)
     rows[:0] = reference_costs(cfg, prompt_rate, batched_rates, select_seconds)
@@ -119,7 +120,7 @@ def reference_costs(cfg: Config, prompt_rate: PromptRate, batched_rates: Batched
                     "cache_type_k": opts.get("cache_type_k", "f16"), "cache_type_v": opts.get("cache_type_v", "f16"),
                     "kv_unified": cfg.runtime.kv_unified}
         rows.append(free_running_cost(label, files[0], base / suite, cfg.profile.batch, batched_rates, settings))
-        convs = [json.loads(line) for line in (base / suite / "transcripts.jsonl").read_text().splitlines()]
+        convs = read_jsonl(base / suite / "transcripts.jsonl")
         read = sum(len(c["ids"]) for c in convs)
         kept = sum(t["end"] - t["start"] for c in convs for t in c["turns"])
         rate = prompt_rate(files[0], settings, round(read / len(convs)))
@@ -143,8 +144,7 @@ def free_running_cost(name: str, gguf: Path, stage: Path | None, batch: int, bat
     if manifest.get("reused_reference"):
         return {**row, "status": "skipped", "reason": "its replies are the reference's (no free-running of its own)"}
     by_suite: dict[str, list[dict]] = {}
-    for line in (stage / "transcripts.jsonl").read_text().splitlines():
-        conv = json.loads(line)
+    for conv in read_jsonl(stage / "transcripts.jsonl"):
         by_suite.setdefault(conv["suite"], []).append(conv)
     settings = settings or _settings(manifest)
     engine_s, prefill, decode, suites = 0.0, 0, 0, {}
@@ -166,18 +166,24 @@ def free_running_cost(name: str, gguf: Path, stage: Path | None, batch: int, bat
             "settings": settings, "suites": suites}
 
 
-def scoring_cost(name: str, gguf: Path, stage: Path, references: Path, prompt_rate: PromptRate,
-                 row_seconds: float) -> dict:
-    """The teacher-forced scoring stage of one variant beside llama-bench's prompt processing (module docstring)."""
+def transcript_lengths(references: Path, suite: str) -> dict[str, int]:
+    """Each reference transcript's length in tokens, by conversation id."""
+    return {c["id"]: len(c["ids"]) for c in read_jsonl(references / suite / "transcripts.jsonl")}
+
+
+def scoring_cost(name: str, gguf: Path, stage: Path, references: Path, lengths_by_suite: dict[str, dict[str, int]],
+                 prompt_rate: PromptRate, row_seconds: float) -> dict:
+    """The teacher-forced scoring stage of one variant beside llama-bench's prompt processing (module docstring);
+    ``lengths_by_suite``: ``transcript_lengths`` per suite, filled as suites are first read (shared by every variant
+    of the run)."""
     manifest = read_json(stage / "manifest.json")
     scored = read_json(stage / "teacher_forced.json")
     lengths = []
     positions = 0
     for suite, convs in scored.items():
-        ids = {}
-        for line in (references / suite / "transcripts.jsonl").read_text().splitlines():
-            conv = json.loads(line)
-            ids[conv["id"]] = len(conv["ids"])
+        if suite not in lengths_by_suite:
+            lengths_by_suite[suite] = transcript_lengths(references, suite)
+        ids = lengths_by_suite[suite]
         for cid, conv in convs.items():
             lengths.append(ids[cid])
             positions += len(conv["kld"])
@@ -190,8 +196,12 @@ def scoring_cost(name: str, gguf: Path, stage: Path, references: Path, prompt_ra
     mean_len = round(statistics.mean(lengths))
     rate = prompt_rate(gguf, settings, mean_len)
     tool_s = sum(lengths) / rate + positions * row_seconds
-    nested = nested_seconds(manifest, [references / f"{suite}-exact_sample" for suite in scored])
-    stage_s = manifest["wall_s"] - nested
+    spans = {"scoring": stage_span(manifest)}
+    for suite in scored:
+        if span := stage_span(load_manifest(references / f"{suite}-exact_sample")):
+            spans[suite] = span
+    stage_s = own_seconds(spans)["scoring"]      # the original's exact rows built inside it are not its own work
+    nested = manifest["wall_s"] - stage_s
     return {"variant": name, "stage": "scoring", "status": "ok", "stage_s": stage_s, "tool_s": tool_s,
             "ratio": stage_s / tool_s if tool_s else None, "nested_s": nested,
             "work": f"{sum(lengths):,} tokens read, {positions:,} rows scored"
@@ -199,20 +209,6 @@ def scoring_cost(name: str, gguf: Path, stage: Path, references: Path, prompt_ra
             "tool": "llama-bench + numpy rows",
             "settings": settings, "tokens_read": sum(lengths), "rows_scored": positions, "mean_transcript": mean_len,
             "tool_prompt_tokens_per_s": rate, "rows_s": positions * row_seconds}
-
-
-def nested_seconds(manifest: dict, inner: list[Path]) -> float:
-    """The seconds of the stages among ``inner`` that were built inside the stage of ``manifest`` (the first scoring
-    stage builds the original's exact rows on transformers, a stage of its own): each finished while it ran."""
-    end = manifest["created_unix"]
-    start = end - manifest["wall_s"]
-    total = 0.0
-    for folder in inner:
-        if (folder / "manifest.json").is_file():
-            m = read_json(folder / "manifest.json")
-            if start <= m["created_unix"] <= end:
-                total += m["wall_s"]
-    return total
 
 
 def extraction_seconds_per_row(vocab: int, top_k: int, select: bool = False, rows: int = 256,

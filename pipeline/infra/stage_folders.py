@@ -73,7 +73,7 @@ def stage_folders(model_dir: Path, run_name: str, names, suites=(), bench_tasks=
 MODEL_STAGES = ("prepare", "convert_f16", "parity", "quantize", "standin")
 
 
-def _span(m: dict | None) -> tuple[float, float] | None:
+def stage_span(m: dict | None) -> tuple[float, float] | None:
     """(start, end) of a stage in Unix seconds, from its manifest ``m`` (written when the stage ended)."""
     if not m or m.get("wall_s") is None or not m.get("created_unix"):
         return None
@@ -81,8 +81,8 @@ def _span(m: dict | None) -> tuple[float, float] | None:
 
 
 def _interval(folder: Path) -> tuple[float, float] | None:
-    """``_span`` of the stage in ``folder``."""
-    return _span(load_manifest(folder))
+    """``stage_span`` of the stage in ``folder``."""
+    return stage_span(load_manifest(folder))
 
 
 def own_seconds(intervals: dict) -> dict:
@@ -149,7 +149,7 @@ def model_stage_bandwidths(model_dir: Path, manifests: dict[tuple, dict]) -> dic
                 readings.append(((m.get("hardware") or {}).get("cpu_key"), float(m["created_unix"]), float(bw)))
     out = {}
     for key, m in manifests.items():
-        if (span := _span(m)) is None:
+        if (span := stage_span(m)) is None:
             continue
         cpu = (m.get("hardware") or {}).get("cpu_key")
         near = [(abs(t - span[0]), bw) for k, t, bw in readings if k == cpu and abs(t - span[0]) < 86400]
