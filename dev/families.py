@@ -161,7 +161,8 @@ def _scaled(base: Family, name: str, title: str, features: str, **config) -> Fam
 # Larger random models of a published geometry, run alone (never in the CI matrix): they test the plan's scaling
 # beyond the 135 M demo model (docs/plan.md, "A 1.24 B model planned from the 135 M demo run"). llama3-1b:
 # Llama-3.2-1B's shapes (1.24 B parameters); qwen2-1.5b: Qwen2.5-1.5B's (1.54 B, a 152k vocabulary), a check of the
-# plan on a model it was not fitted on.
+# plan on a model it was not fitted on; gemma3-270m: Gemma-3-270M's (268 M, a 262k vocabulary: its output rows
+# cost more than its 18 layers).
 SCALED: tuple[Family, ...] = (
     _scaled(FAMILIES[0], "llama3-1b", "Llama 3.2 1B geometry", "Llama-3.2-1B's shapes: 16 layers, hidden 2048, "
             "GQA 32/8, head 64, MLP 8192, tied embeddings", hidden_size=2048, intermediate_size=8192,
@@ -169,6 +170,12 @@ SCALED: tuple[Family, ...] = (
     _scaled(FAMILIES[2], "qwen2-1.5b", "Qwen 2.5 1.5B geometry", "Qwen2.5-1.5B's shapes: 28 layers, hidden 1536, "
             "GQA 12/2, head 128, MLP 8960, q/k/v bias, tied embeddings", hidden_size=1536, intermediate_size=8960,
             num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128),
+    _scaled(FAMILIES[6], "gemma3-270m", "Gemma 3 270M geometry", "Gemma-3-270M's shapes: 18 layers, hidden 640, "
+            "MQA 4/1, head 256, MLP 2048, five local (512) layers to one global, a 262,144-token vocabulary, tied "
+            "embeddings (168 M of its 268 M parameters)", hidden_size=640, intermediate_size=2048,
+            num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+            query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768,
+            layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3),
 )
 BY_NAME = {f.name: f for f in FAMILIES + SCALED}
 
