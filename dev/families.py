@@ -209,7 +209,7 @@ def reference_cases(vocab_file: Path) -> list[tuple[str, list[int]]]:
     inp, out = Path(f"{vocab_file}.inp"), Path(f"{vocab_file}.out")
     if not (inp.is_file() and out.is_file()):
         raise ConfigError(f"{inp} / {out} are absent: expected llama.cpp's reference tokenizations "
-                          "(run `make families-vocab`)")
+                          "(run `make chat-templates`)")
     raw, sep, texts, pos = inp.read_text(encoding="utf-8"), "\n__ggml_vocab_test__\n", [], 0
     while pos < len(raw):
         nxt = raw.find(sep, pos)
@@ -323,7 +323,7 @@ def save_tokenizer(fam: Family, out: Path, cache_dir: Path | None = None) -> Non
 
     vocab_file = vocab_dir(cache_dir) / f"ggml-vocab-{fam.vocab}.gguf"
     if not vocab_file.is_file():
-        raise ConfigError(f"{vocab_file} is absent: expected llama.cpp's vocab file (run `make families-vocab`)")
+        raise ConfigError(f"{vocab_file} is absent: expected llama.cpp's vocab file (run `make chat-templates`)")
     # transformers' own GGUF path (AutoTokenizer.from_pretrained(gguf_file=...)) also parses the file's model
     # config, which fails on vocab-only files of newer architectures (gemma4); the tokenizer part is the same
     arch, tok_dict, tok_cfg = get_gguf_tokenizer(str(vocab_file))

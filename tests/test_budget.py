@@ -221,11 +221,53 @@ def test_a_resumed_run_with_other_settings_is_fitted_again(tmp_path):
     assert again.profile.limits("multi_turn")[0] == 2 and again.profile.limits("multi_turn") != first.profile.limits("multi_turn")
 
 
-def test_make_plan_prints_the_cut_or_that_the_profile_fits(monkeypatch):
+def test_make_plan_prints_the_cut_or_that_the_profile_fits(monkeypatch, tmp_path):
     import pipeline.plan.budget as budget
 
     monkeypatch.setattr(budget, "plan_seconds", lambda cfg: _cost)
-    cut = budget.fit_line(compose(["profile=quick", VARIANTS, "run.budget=20m"]))
+    at = f"paths.artifacts={tmp_path}"
+    cut = budget.fit_line(compose(["profile=quick", VARIANTS, "run.budget=20m", at]))
     assert cut.startswith("budget: run.budget=20m (20 min): the profile's work") and "will cut it (" in cut
-    assert budget.fit_line(compose(["profile=quick", VARIANTS, "run.budget=10h"])).endswith("fits uncut")
-    assert budget.fit_line(compose(["profile=quick", VARIANTS])) is None
+    assert budget.fit_line(compose(["profile=quick", VARIANTS, "run.budget=10h", at])).endswith("fits uncut")
+    assert budget.fit_line(compose(["profile=quick", VARIANTS, at])) is None
+
+
+def test_the_comparison_after_a_plan_runs_the_allocation_the_plan_printed(monkeypatch, tmp_path):
+    """The plan reads this machine's speed anew each time: the comparison started after it takes the plan's fit
+    (or its refusal) for the same budget and inputs within the hour, and plans again otherwise."""
+    import pipeline.plan.budget as budget
+
+    base = ["profile=quick", VARIANTS, f"paths.artifacts={tmp_path}"]
+    monkeypatch.setattr(budget, "plan_seconds", lambda cfg: _cost)
+    cfg = compose([*base, "run.budget=20m"])
+    line = budget.fit_line(cfg)
+    slower = []            # the same work read 30 % slower a minute later: it would cut further
+
+    def slower_cost(c):
+        slower.append(1)
+        t, n, basis = _cost(c)
+        return 1.3 * t, n, basis
+
+    ran, overrides = budget.fit_budget(cfg, slower_cost)
+    assert slower == [] and f"to {budget.read_budget(cfg)['described']}," in line
+    assert budget.read_budget(cfg)["planned_by"].startswith("quantdrift plan")
+    fresh = compose([*base, "run.budget=20m", "run.name=fresh"])
+    assert budget.fit_budget(fresh, slower_cost)[1] != overrides and slower      # no plan for this run: fitted
+
+    # a plan that refused: the comparison refuses as it did, naming the plan
+    tight = compose([*base, "run.budget=1m", "run.name=tight"])
+    with pytest.raises(ConfigError, match="cannot be kept") as refused:
+        budget.fit_line(tight)
+    with pytest.raises(ConfigError, match="as `quantdrift plan` found 0 min ago") as again:
+        budget.fit_budget(tight, lambda c: (1.0, 0, "fits now"))
+    assert str(refused.value) in str(again.value)
+
+    # other inputs, or a plan older than the hour: fitted anew
+    other = compose([*base, "run.budget=1m", "run.name=tight", "profile.speed.trials=12"])
+    assert budget.fit_budget(other, lambda c: (1.0, 0, "fits now")) == (other, [])
+    budget.fit_line(compose([*base, "run.budget=20m", "run.name=old"]))
+    old = compose([*base, "run.budget=20m", "run.name=old"])
+    monkeypatch.setattr(budget, "PLAN_KEPT_S", -1)
+    slower.clear()
+    budget.fit_budget(old, slower_cost)
+    assert slower and "planned_by" not in budget.read_budget(old)

@@ -117,7 +117,7 @@ def test_every_variant_of_every_family_ends_as_the_committed_outcome_table_says(
 
     if not reference_cases_present(fam):
         pytest.skip(f"llama.cpp's reference tokenizations of ggml-vocab-{fam.vocab}.gguf are absent: run "
-                    "`make families-vocab` (make test does)")
+                    "`make chat-templates` (make test does)")
     facts = build_family(fam, family_root / fam.name)
     tok = facts["tokenizer"]
     assert tok["agree"] == tok["cases"] and tok["cases"] > 10, tok

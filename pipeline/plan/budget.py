@@ -13,7 +13,9 @@ planned time, so the user can raise the budget or compare fewer variants.
 
 ``auto`` (what ``make compare`` passes by default): ``AUTO_CPU_S`` on a CPU, which the demo's default comparison
 fits uncut; no budget on a CUDA device. The allocation is kept in the run's folder (``budget.json``): a resumed run
-with the same budget, variants and profile runs the same allocation, so its finished stages stay valid.
+with the same budget, variants and profile runs the same allocation, so its finished stages stay valid. ``quantdrift
+plan`` keeps its own fit beside it (``budget.planned.json``), and a comparison with the same budget and inputs started
+within ``PLAN_KEPT_S`` runs that allocation (or is refused as the plan was) instead of planning again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ AUTO_CPU_S = 180 * 60
 MIN_CONVERSATIONS = 3
 MIN_REPLY_CAP = 16
 RECORD = "budget.json"
+PLANNED = "budget.planned.json"
+PLAN_KEPT_S = 3600         # how long `quantdrift plan`'s fit stands for the comparison with the same inputs
 
 
 class NoTimeBasis(ConfigError):
@@ -268,6 +272,10 @@ def fit_line(cfg: Config) -> str | None:
         if budget_seconds(cfg.run.budget) != "auto":
             raise
         return f"budget: auto, none kept ({exc})"
+    except ConfigError as exc:
+        _keep_plan(cfg, {"budget_s": budget_s, **reuse_key(cfg), "refused": str(exc)})
+        raise
+    _keep_plan(cfg, {**r, "budget": str(cfg.run.budget)})
     head = f"budget: run.budget={cfg.run.budget} ({budget_s / 60:.0f} min)"
     whole = f"; left whole: {', '.join(r['whole_suites'])} (generated)" if r["whole_suites"] else ""
     if r["allocation"] is None:
@@ -278,8 +286,35 @@ def fit_line(cfg: Config) -> str | None:
             f"{r['described']}, planned at {r['planned_s'] / 60:.1f} min{_untimed(r['untimed_stages'])}{whole}")
 
 
-def _record_path(cfg: Config) -> Path:
-    return cfg.model_dir / "runs" / cfg.run.name / RECORD
+def _record_path(cfg: Config, name: str = RECORD) -> Path:
+    return cfg.model_dir / "runs" / cfg.run.name / name
+
+
+def _keep_plan(cfg: Config, record: dict) -> None:
+    """``quantdrift plan``'s fit (or its refusal), kept beside the run for ``fit_budget``: the plan reads this
+    machine's bandwidth and compute anew each time, and two readings a minute apart can move a budget at the edge
+    across it, so the comparison started after a plan runs the allocation that plan printed."""
+    import time
+
+    from pipeline.infra.files import write_json
+
+    write_json(_record_path(cfg, PLANNED), {**record, "planned_at": time.time()})
+
+
+def _planned_fit(cfg: Config, same: dict) -> dict | None:
+    """The fit ``quantdrift plan`` kept for this run within ``PLAN_KEPT_S``, with the same budget and inputs."""
+    import time
+
+    from pipeline.infra.files import read_json
+
+    path = _record_path(cfg, PLANNED)
+    if not path.is_file():
+        return None
+    planned = read_json(path)
+    age = time.time() - float(planned.get("planned_at") or 0)
+    if not 0 <= age <= PLAN_KEPT_S or any(planned.get(k) != v for k, v in same.items()):
+        return None
+    return planned
 
 
 def read_budget(cfg: Config) -> dict | None:
@@ -313,6 +348,8 @@ def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] 
     """The comparison's config within its budget and the Hydra overrides that give each variant's job the same
     allocation; ``cfg`` itself and no overrides where there is no budget or the profile fits it. The fit is kept
     in the run's folder, and a resumed run with the same budget, variants, profile and suites takes it again."""
+    import time
+
     from pipeline.infra.files import write_json
 
     budget_s = resolved_budget(cfg)
@@ -322,9 +359,19 @@ def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] 
         return cfg, []
     kept = read_budget(cfg)
     same = {"budget_s": budget_s, **reuse_key(cfg)}
+    planned_fit = _planned_fit(cfg, same)
     if kept and all(kept.get(k) == v for k, v in same.items()):
         record = kept
         log.info("run.budget: the allocation of this run's first sitting, kept (%s)", path)
+    elif planned_fit is not None:
+        ago = (time.time() - planned_fit.pop("planned_at")) / 60
+        if "refused" in planned_fit:
+            raise ConfigError(f"{planned_fit['refused']} (as `quantdrift plan` found {ago:.0f} min ago with the "
+                              f"same budget and inputs; its fit stands for {PLAN_KEPT_S // 60} min: "
+                              f"{_record_path(cfg, PLANNED)})")
+        record = {**planned_fit, "planned_by": f"quantdrift plan, {ago:.0f} min before the run"}
+        log.info("run.budget: the allocation `quantdrift plan` fitted %.0f min ago with the same inputs", ago)
+        write_json(path, record)
     else:
         try:
             record = {**fit(cfg, budget_s, planned or plan_seconds(cfg)), "budget": str(cfg.run.budget)}
