@@ -58,6 +58,23 @@ def test_compare_records_its_run_and_never_runs_the_full_load_sweep(clone):
     assert "artifacts/.runs" in out and "load=short" in out and "load=full" not in out
 
 
+def test_plan_plans_the_comparison_that_compare_runs(clone):
+    """`make plan` passes what `make compare` passes (the load sweep, the budget, the tools): a plan that counted
+    a load sweep `COMPARE_LOAD=off` drops would fit another budget than the comparison's."""
+    shutil.copytree(PROJECT_ROOT / "mk", clone / "mk")
+    args = ["MODEL=/models/acme-8b", "VARIANTS=original,gguf_q8_0", "COMPARE_LOAD=off", "BUDGET=30m",
+            "LOAD_ARGS=load.repeats=1", "PROFILE=smoke"]
+
+    def settings(target: str, command: str) -> set:
+        line = next(ln for ln in dry(clone, target, *args).stdout.replace("\\\n", " ").splitlines()
+                    if "/bin/quantdrift" in ln)
+        return set(line.split()[1:]) - {command}
+
+    plan = settings("plan", "plan")
+    assert plan == settings("compare", "command=compare")
+    assert {"load=off", "run.budget=30m", "load.repeats=1", "profile=smoke"} <= plan
+
+
 def _stub(path, body):
     path.write_text("#!/usr/bin/env bash\n" + body)
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
