@@ -271,3 +271,68 @@ def test_the_comparison_after_a_plan_runs_the_allocation_the_plan_printed(monkey
     slower.clear()
     budget.fit_budget(old, slower_cost)
     assert slower and "planned_by" not in budget.read_budget(old)
+
+
+@pytest.mark.parametrize("left,given_back", [
+    (2, ["the profile's speed rounds", "the profile's load-sweep rounds", "extra llama.cpp speed rounds at most 5 min",
+         "the profile's extra llama.cpp speed rounds"]),
+    (3, ["the profile's speed rounds", "the profile's load-sweep rounds", "extra llama.cpp speed rounds at most 5 min"]),
+    (7, ["the profile's speed rounds"]),
+    (8, None)])
+def test_a_cut_run_gets_back_the_speed_and_load_rounds_that_the_screen_freed(tmp_path, monkeypatch, left, given_back):
+    """The fit plans every variant's speed and load; once the screen has taken variants out, the rounds the cut took
+    from those stages come back, in the reverse of the order they were cut, as far as the variants left fit in what
+    the fit gave those stages for all of them (plus what it left of the budget)."""
+    import pipeline.plan.budget_screen as budget_screen
+    import pipeline.stages.variant_setup as variant_setup
+    from pipeline.commands.compare import rebudget
+    from pipeline.plan.budget import fit_budget, kept_allocation, read_budget
+    from pipeline.report.run_time_section import _budget_block
+
+    given = compose(["profile=quick", VARIANTS, f"paths.artifacts={tmp_path}", "run.budget=10m"])
+    cfg, _ = fit_budget(given, _cost)
+    fitted = read_budget(given)
+    # the fit: 9 speed rounds, one load round, no extra rounds, planned 583.6 of 600 s
+    assert (cfg.profile.speed.trials, cfg.load.repeats, cfg.profile.speed.extra_max_rounds) == (9, 1, 0)
+
+    def rest(c, names):         # per variant 10 s a speed round and 40 s a load round; the extra rounds at their cap
+        s = c.profile.speed
+        return len(names) * (10 * s.trials + 40 * c.load.repeats) + (60 * s.extra_max_minutes if s.extra_max_rounds
+                                                                      else 0)
+
+    names = list(cfg.run.variants)
+    monkeypatch.setattr(variant_setup, "load_result", lambda c, n: {
+        "status": "ok", **({"screened": {"reason": "KLD over the limit"}} if n in names[left:] else {})})
+    monkeypatch.setattr(budget_screen, "rest_seconds", lambda c: rest)
+    after = rebudget(cfg)
+    record = read_budget(given)
+    if given_back is None:                  # nothing screened out: the fit stands
+        assert after is cfg and record == fitted
+        return
+    assert record["after_screen"]["given_back"] == given_back
+    assert record["after_screen"]["screened_out"] == names[left:]
+    assert record["after_screen"]["allowed_rest_s"] == pytest.approx(8 * (90 + 40) + 600 - 583.6)
+    assert record["after_screen"]["planned_rest_s"] == rest(after, names[:left]) <= record["after_screen"]["allowed_rest_s"]
+    assert after.profile.speed.trials == 10 and after.profile.per_suite == cfg.profile.per_suite   # scoring as it ran
+    assert kept_allocation(given).profile.speed == after.profile.speed                           # the summary's view
+    assert kept_allocation(given).load.repeats == after.load.repeats == (3 if left < 7 else 1)
+    assert rebudget(after) is after                                                             # given back once
+    text = " ".join(_budget_block({"run": {"budget": record}, "variants": {}}))
+    assert f"The screen took out {', '.join(names[left:])} before free-running" in text and given_back[-1] in text
+
+
+def test_the_rest_after_the_screen_is_the_plans_speed_and_load_time_for_the_variants_left(tmp_path):
+    """What the give-back weighs: the plan's own speed and load rows (from the committed demo run), for the
+    variants named and the allocation given."""
+    import dataclasses
+
+    from pipeline.plan.budget_screen import rest_seconds
+
+    cfg = compose(["profile=quick", "run.variants=[original,gguf_q8_0,gguf_q4_k_m]", f"paths.artifacts={tmp_path}",
+                   "profile.speed.extra_max_rounds=0"])
+    planned = rest_seconds(cfg)
+    one, three = planned(cfg, ["gguf_q8_0"]), planned(cfg, list(cfg.run.variants))
+    more_rounds = dataclasses.replace(cfg, profile=dataclasses.replace(
+        cfg.profile, speed=dataclasses.replace(cfg.profile.speed, trials=2 * cfg.profile.speed.trials)))
+    assert 0 < one < three < planned(more_rounds, list(cfg.run.variants))
+    assert planned(dataclasses.replace(cfg, load=dataclasses.replace(cfg.load, repeats=1)), ["gguf_q8_0"]) < one

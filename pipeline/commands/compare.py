@@ -3,6 +3,7 @@
     budget      run.budget kept: the profile's work cut until the plan fits it, or the run refused (exit 2)
     preflight   what would stop every variant, found once before any work (exit 2)
     variants    each variant of run.variants prepared, quantized, evaluated and scored (one result file each)
+    rebudget    a cut run's speed and load rounds given back as far as the variants the screen left allow
     speed       the interleaved speed trials of every evaluated variant, with their A/A noise floor
     load        the served-load sweep (conf/load/NAME.yaml; load=off skips it)
     decision    the summary of the finished stages, decided: summary.json
@@ -36,6 +37,7 @@ def run_compare(cfg: Config) -> tuple[int, dict]:
     cfg, allocation = fit_budget(cfg)
     run_preflight(cfg)
     code = evaluate_variants(cfg, allocation)
+    cfg = rebudget(cfg)
     measure_speed_stage(cfg)
     if cfg.load.name != "off":
         load_stage(cfg)
@@ -94,6 +96,16 @@ def _task_overrides() -> list[str] | None:
         return None
     drop = ("command=", "variant=", "run.variants=")
     return [o for o in HydraConfig.get().overrides.task if not o.startswith(drop)]
+
+
+def rebudget(cfg: Config) -> Config:
+    """``cfg`` with the speed, load and extra rounds a budget's cut took given back as far as the variants the
+    screen kept allow (``pipeline.plan.budget_screen``); ``cfg`` itself where nothing was cut or screened out."""
+    from pipeline.plan.budget_screen import after_screen
+    from pipeline.stages.variant_setup import load_result
+
+    left = [n for n in cfg.run.variants if not (load_result(cfg, n) or {}).get("screened")]
+    return after_screen(cfg, left)
 
 
 def measure_speed_stage(cfg: Config) -> dict | None:

@@ -290,10 +290,15 @@ def _record_path(cfg: Config, name: str = RECORD) -> Path:
     return cfg.model_dir / "runs" / cfg.run.name / name
 
 
+def write_budget(cfg: Config, record: dict) -> None:
+    """The run's budget record, written (atomically) where ``read_budget`` finds it."""
+    from pipeline.infra.files import write_json
+    write_json(_record_path(cfg), record)
+
+
 def _keep_plan(cfg: Config, record: dict) -> None:
-    """``quantdrift plan``'s fit (or its refusal), kept beside the run for ``fit_budget``: the plan reads this
-    machine's bandwidth and compute anew each time, and two readings a minute apart can move a budget at the edge
-    across it, so the comparison started after a plan runs the allocation that plan printed."""
+    """``quantdrift plan``'s fit (or refusal), kept for ``fit_budget``: the plan reads the machine's speed anew each
+    time, and two readings a minute apart can move a budget at the edge across it."""
     import time
 
     from pipeline.infra.files import write_json
@@ -350,8 +355,6 @@ def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] 
     in the run's folder, and a resumed run with the same budget, variants, profile and suites takes it again."""
     import time
 
-    from pipeline.infra.files import write_json
-
     budget_s = resolved_budget(cfg)
     path = _record_path(cfg)
     if budget_s is None:
@@ -371,7 +374,7 @@ def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] 
                               f"{_record_path(cfg, PLANNED)})")
         record = {**planned_fit, "planned_by": f"quantdrift plan, {ago:.0f} min before the run"}
         log.info("run.budget: the allocation `quantdrift plan` fitted %.0f min ago with the same inputs", ago)
-        write_json(path, record)
+        write_budget(cfg, record)
     else:
         try:
             record = {**fit(cfg, budget_s, planned or plan_seconds(cfg)), "budget": str(cfg.run.budget)}
@@ -383,7 +386,7 @@ def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] 
             record = {**same, "budget": "auto", "no_time": str(exc), "allocation": None, "steps": [],
                       "profile_planned_s": None, "planned_s": None, "untimed_stages": None, "time_basis": None,
                       "whole_suites": whole_suites(cfg)}
-        write_json(path, record)
+        write_budget(cfg, record)
     if record["allocation"] is None:
         if record["planned_s"] is not None:
             log.info("run.budget: the profile's work is planned at %.1f min, inside %.0f min: nothing cut",
@@ -393,3 +396,4 @@ def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] 
     log.warning("run.budget %s: the profile's work is planned at %.1f min; cut to %s, planned at %.1f min",
                 record["budget"], record["profile_planned_s"] / 60, a.describe(), record["planned_s"] / 60)
     return a.apply(cfg), a.overrides()
+

@@ -20,6 +20,13 @@ def _budget_block(summary: dict) -> list:
     out = [head + f"the plan put the profile's work at {b['profile_planned_s'] / 60:.1f} min, over the budget, so "
            f"the run was cut ({'; '.join(b['steps'])}) to {b['described']}, planned at {b['planned_s'] / 60:.1f} "
            f"min{untimed}.{whole}"]
+    after = b.get("after_screen")
+    if after:
+        out.append(f"The screen took out {', '.join(after['screened_out'])} before free-running, so the speed and "
+                   f"load stages were given back {'; '.join(after['given_back'])} (the run ran "
+                   f"{after['described']}): planned at {after['planned_rest_s'] / 60:.1f} min for the variants "
+                   f"left, within the {after['allowed_rest_s'] / 60:.1f} min the fit had given those stages for "
+                   "every variant and left of the budget.")
     detect = [f"{suite}: {p['conversations']} conversations, a pass-rate change under {p['mde_pass_rate']:.0%}"
               + (f" or a mean-KLD ratio under {p['mde_kld_ratio']:.2f}×" if p.get("mde_kld_ratio") else "")
               + " is not distinguishable from none"
