@@ -317,6 +317,10 @@ def test_a_cut_run_gets_back_the_speed_and_load_rounds_that_the_screen_freed(tmp
     assert kept_allocation(given).profile.speed == after.profile.speed                           # the summary's view
     assert kept_allocation(given).load.repeats == after.load.repeats == (3 if left < 7 else 1)
     assert rebudget(after) is after                                                             # given back once
+    again = compose(["profile=quick", VARIANTS, f"paths.artifacts={tmp_path}", "run.budget=10m", "run.name=untimed"])
+    untimed, _ = fit_budget(again, _cost)
+    monkeypatch.setattr(budget_screen, "rest_seconds", lambda c: lambda c2, n: float("inf"))   # a stage without a time
+    assert rebudget(untimed) is untimed and "after_screen" not in read_budget(again)
     text = " ".join(_budget_block({"run": {"budget": record}, "variants": {}}))
     assert f"The screen took out {', '.join(names[left:])} before free-running" in text and given_back[-1] in text
 

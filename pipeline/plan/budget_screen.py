@@ -35,7 +35,10 @@ def rest_seconds(cfg: Config) -> Callable[[Config, list[str]], float]:
     def planned(c: Config, names: list[str]) -> float:
         variants = [variant_of(c, n) for n in names]
         plan = build_plan(c, variants=variants, inventory=inv, bandwidth_here=here[0], compute_here=here[1])
-        rest = sum(r.time_s or 0.0 for r in plan["rows"] if r.stage in ("speed", "load") and not r.exists)
+        rows = [r for r in plan["rows"] if r.stage in ("speed", "load") and not r.exists]
+        if any(r.time_s is None for r in rows):
+            return float("inf")         # a stage without a time: nothing is given back on a guess
+        rest = sum(r.time_s for r in rows)
         s = c.profile.speed
         extra = s.extra_max_rounds and any(v.runtime in s.extra_runtimes for v in variants)
         return rest + (60.0 * s.extra_max_minutes if extra else 0.0)
@@ -79,6 +82,8 @@ def after_screen(cfg: Config, left: list[str],
         return cfg
     planned = planned or rest_seconds(cfg)
     allowed = planned(a.apply(cfg), list(cfg.run.variants)) + max(0.0, record["budget_s"] - record["planned_s"])
+    if allowed == float("inf"):
+        return cfg
     for i in range(len(chain) - 1, 0, -1):
         t = planned(chain[i].apply(cfg), left)
         if t <= allowed:
