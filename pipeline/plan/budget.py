@@ -203,12 +203,15 @@ def plan_seconds(cfg: Config) -> Callable[[Config], tuple[float, int, str]]:
             raise NoTimeBasis(f"run.budget={c.run.budget}: the plan has no time for this run here "
                               f"({plan.get('time_basis') or 'no measured run to scale from'}), so no budget can be "
                               "kept: run it once without one (BUDGET=off, run.budget=null)")
-        s = c.profile.speed
-        extra = 0.0
-        if s.extra_max_rounds and any(v.runtime in s.extra_runtimes for v in variants):
-            extra = 60.0 * s.extra_max_minutes
-        return sum(timed) + extra, len(todo) - len(timed), plan.get("time_basis") or ""
+        return sum(timed) + extra_seconds(c, variants), len(todo) - len(timed), plan.get("time_basis") or ""
     return planned
+
+
+def extra_seconds(c: Config, variants: list) -> float:
+    """The extra llama.cpp speed rounds at their cap where one of ``variants`` takes them (not in the plan's table)."""
+    s = c.profile.speed
+    extra = s.extra_max_rounds and any(v.runtime in s.extra_runtimes for v in variants)
+    return 60.0 * s.extra_max_minutes if extra else 0.0
 
 
 def fit(cfg: Config, budget_s: float, planned: Callable[[Config], tuple[float, int, str]]) -> dict:
@@ -302,7 +305,6 @@ def _keep_plan(cfg: Config, record: dict) -> None:
     import time
 
     from pipeline.infra.files import write_json
-
     write_json(_record_path(cfg, PLANNED), {**record, "planned_at": time.time()})
 
 
@@ -310,23 +312,22 @@ def _planned_fit(cfg: Config, same: dict) -> dict | None:
     """The fit ``quantdrift plan`` kept for this run within ``PLAN_KEPT_S``, with the same budget and inputs."""
     import time
 
+    planned = read_budget(cfg, PLANNED)
+    age = time.time() - float((planned or {}).get("planned_at") or 0)
+    return planned if 0 <= age <= PLAN_KEPT_S and _matches(planned, same) else None
+
+
+def _matches(record: dict | None, same: dict) -> bool:
+    """Whether a kept fit was made for the budget and inputs ``same`` (``reuse_key``'s, with the budget)."""
+    return bool(record) and all(record.get(k) == v for k, v in same.items())
+
+
+def read_budget(cfg: Config, name: str = RECORD) -> dict | None:
+    """The run's budget record (``fit``'s, with the budget as given; ``PLANNED``: the plan's), or None where the run
+    had none."""
     from pipeline.infra.files import read_json
 
-    path = _record_path(cfg, PLANNED)
-    if not path.is_file():
-        return None
-    planned = read_json(path)
-    age = time.time() - float(planned.get("planned_at") or 0)
-    if not 0 <= age <= PLAN_KEPT_S or any(planned.get(k) != v for k, v in same.items()):
-        return None
-    return planned
-
-
-def read_budget(cfg: Config) -> dict | None:
-    """The run's budget record (``fit``'s, with the budget as given), or None where the run had none."""
-    from pipeline.infra.files import read_json
-
-    path = _record_path(cfg)
+    path = _record_path(cfg, name)
     return read_json(path) if path.is_file() else None
 
 
@@ -362,11 +363,10 @@ def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] 
         return cfg, []
     kept = read_budget(cfg)
     same = {"budget_s": budget_s, **reuse_key(cfg)}
-    planned_fit = _planned_fit(cfg, same)
-    if kept and all(kept.get(k) == v for k, v in same.items()):
+    if _matches(kept, same):
         record = kept
         log.info("run.budget: the allocation of this run's first sitting, kept (%s)", path)
-    elif planned_fit is not None:
+    elif (planned_fit := _planned_fit(cfg, same)) is not None:
         ago = (time.time() - planned_fit.pop("planned_at")) / 60
         if "refused" in planned_fit:
             raise ConfigError(f"{planned_fit['refused']} (as `quantdrift plan` found {ago:.0f} min ago with the "
@@ -396,4 +396,3 @@ def fit_budget(cfg: Config, planned: Callable[[Config], tuple[float, int, str]] 
     log.warning("run.budget %s: the profile's work is planned at %.1f min; cut to %s, planned at %.1f min",
                 record["budget"], record["profile_planned_s"] / 60, a.describe(), record["planned_s"] / 60)
     return a.apply(cfg), a.overrides()
-

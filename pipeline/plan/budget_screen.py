@@ -16,7 +16,7 @@ import logging
 from typing import Callable
 
 from pipeline.config.schema import Config
-from pipeline.plan.budget import allocation_of, read_budget, write_budget
+from pipeline.plan.budget import allocation_of, extra_seconds, read_budget, write_budget
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,7 @@ def rest_seconds(cfg: Config) -> Callable[[Config, list[str]], float]:
         rows = [r for r in plan["rows"] if r.stage in ("speed", "load") and not r.exists]
         if any(r.time_s is None for r in rows):
             return float("inf")         # a stage without a time: nothing is given back on a guess
-        rest = sum(r.time_s for r in rows)
-        s = c.profile.speed
-        extra = s.extra_max_rounds and any(v.runtime in s.extra_runtimes for v in variants)
-        return rest + (60.0 * s.extra_max_minutes if extra else 0.0)
+        return sum(r.time_s for r in rows) + extra_seconds(c, variants)
     return planned
 
 
