@@ -270,7 +270,8 @@ calibration: setup llmc-env
 bench: setup
 	$(VENV)/bin/quantdrift command=bench run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin $(COMMON)
 
-# stage-costs: a finished comparison's llama.cpp stages beside llama-bench and llama-batched-bench doing the same work
+# stage-costs: a finished comparison's llama.cpp stages beside llama-bench, llama-batched-bench and llama-perplexity
+# doing the same work
 stage-costs: setup
 	$(VENV)/bin/quantdrift command=stage_costs run.variants=[$(VARIANTS)] bench.llama_tools=$(LLAMA_TOOLS)/bin $(COMMON)
 

@@ -100,3 +100,31 @@ def test_the_originals_stored_log_probs_must_be_those_of_the_sample():
     stored = _sample_logprobs(original, ref)
     with pytest.raises(ValueError, match="rows of the original's log-probs for a sample of"):
         kld_exactness(variant, stored[:-1], ref, n=N)
+
+
+def test_exact_rows_read_from_their_files_score_the_same_and_leave_no_map_behind(tmp_path):
+    """Rows kept in a file (``RowFiles``, as the exact-rows stage hands them over) give the figures of rows held in
+    memory, and once scored no map of the file is left in the process: a map held for the run would keep every
+    row that scoring read resident into the stages after it."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from pipeline.stages.reference import RowFiles
+
+    p_logits, q_logits = _models()
+    variant = FixedLogits(q_logits)
+    ref = _reference(p_logits, 0.01)
+    idx, rows = ref.rows["c1"]
+    path = tmp_path / "c1.npy"
+    np.save(path, rows)
+    on_disk = replace(ref, rows=RowFiles({"c1": (idx, path)}))
+
+    def mapped() -> bool:
+        return str(path) in Path("/proc/self/maps").read_text()
+
+    assert list(on_disk.rows) == ["c1"] and len(on_disk.rows) == 1
+    assert isinstance(on_disk.rows["c1"][1], np.memmap)
+    assert not mapped()
+    out = teacher_forced(variant, on_disk, K)["c1"]
+    assert out == teacher_forced(variant, ref, K)["c1"]
+    assert not mapped(), "scoring left the rows' file mapped"

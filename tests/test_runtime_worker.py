@@ -61,6 +61,35 @@ def test_the_process_that_loads_a_gguf_has_no_torch_and_gives_the_same_figures(g
     assert not _alive(rt.process["pid"])
 
 
+def test_exact_rows_in_a_file_reach_the_worker_as_a_map_of_that_file(gguf_cfg, embedded_gguf, tmp_path):
+    """A read-only memory map (the reference's exact rows are read so) goes to the worker as its file's name: a few
+    hundred bytes whatever its size, and the worker's full-vocabulary KLD from it is the one from the rows' values;
+    a view into a map goes by value."""
+    import torch  # noqa: F401 - a variant job's process has it
+    from multiprocessing.reduction import ForkingPickler
+
+    from pipeline.figures.drift import log_softmax
+    from pipeline.runtimes import load_runtime
+
+    rt = load_runtime(gguf_cfg.variant, embedded_gguf, gguf_cfg, n_ctx=256)
+    try:
+        ids = list(range(100, 160))
+        positions = list(range(20, 59))
+        cand = np.asarray(ids[21:60])[:, None]
+        rows = np.arange(0, 39, 4)
+        other = rt.logprobs(ids, positions)[rows] + np.random.default_rng(0).normal(0, 0.5, (len(rows), 1)) \
+            * np.linspace(-1, 1, rt.n_vocab)                            # another model's distributions there
+        np.save(tmp_path / "rows.npy", log_softmax(other).astype(np.float32))
+        mapped = np.load(tmp_path / "rows.npy", mmap_mode="r")
+        assert len(ForkingPickler.dumps(mapped)) < 1024 < mapped.nbytes
+        assert len(ForkingPickler.dumps(mapped[1:])) > mapped[1:].nbytes
+        by_name = rt.score(ids, positions, cand, full_rows=rows, full_ref=mapped)
+        by_value = rt.score(ids, positions, cand, full_rows=rows, full_ref=np.array(mapped))
+        assert np.array_equal(by_name.kld_full, by_value.kld_full) and np.all(by_name.kld_full > 0)
+    finally:
+        rt.close()
+
+
 def test_the_runtimes_own_error_comes_back_with_its_type(gguf_cfg, embedded_gguf):
     import torch  # noqa: F401
 

@@ -80,7 +80,13 @@ def test_each_llama_cpp_stage_is_costed_at_the_tools_rates_for_the_work_it_did(t
         batched_calls.append((gguf.name, prompt, reply, sequences))
         return 200.0, 10.0                               # prefill, decode tokens/s
 
-    out = run_stage_costs(cfg, prompt_rate, batched_rates, row_seconds=0.001)
+    row_calls = []
+
+    def row_cost(gguf, settings):
+        row_calls.append(gguf.name)
+        return {"row_s": 0.01}                           # llama-perplexity's seconds per computed row
+
+    out = run_stage_costs(cfg, prompt_rate, batched_rates, row_seconds=0.001, row_cost=row_cost)
     rows = {(r["variant"], r["stage"]): r for r in out["rows"]}
     # the reference produced on llama.cpp: its free-running (two sequences at once: 800 prefilled, 200 decoded) and
     # its log-probs (1,000 tokens read, 200 rows' top-K kept at the selection's measured cost per row)
@@ -90,6 +96,10 @@ def test_each_llama_cpp_stage_is_costed_at_the_tools_rates_for_the_work_it_did(t
     assert ref_free["tool_s"] == pytest.approx(800 / 200 + 200 / 10) and ref_free["stage_s"] == 40.0
     assert ref_free["settings"]["cache_type_k"] == "f16" and ref_free["settings"]["threads"] == cfg.runtime.n_threads
     assert ref_lp["tool_s"] == pytest.approx(1000 / 100 + 200 * out["select_row_seconds"]) and ref_lp["stage_s"] == 20.0
+    # beside it, the engine computing each of those 200 rows at llama-perplexity's cost per row, and the selection
+    # of each row's top K beyond the normaliser and gather (which llama-perplexity does not do)
+    engine = 1000 / 100 + 200 * (0.01 + max(0.0, out["select_row_seconds"] - 0.001))
+    assert ref_lp["engine_rows_s"] == pytest.approx(engine) and ref_lp["ratio_engine_rows"] == pytest.approx(20 / engine)
     assert out["select_row_seconds"] > 0
     assert "produced by original@hf, not a GGUF file" in rows[("reference multi_turn", "-")]["reason"]
     batched_calls[:] = [c for c in batched_calls if c[0] != "model-f16.gguf"]
@@ -107,6 +117,10 @@ def test_each_llama_cpp_stage_is_costed_at_the_tools_rates_for_the_work_it_did(t
                             ("gguf_q4_0.gguf", SETTINGS, 433)]
     score = rows[("gguf_q8_0", "scoring")]
     assert score["tool_s"] == pytest.approx(1900 / 100 + 390 * 0.001) and score["ratio"] == pytest.approx(30.0 / 19.39)
+    assert score["engine_rows_s"] == pytest.approx(1900 / 100 + 390 * 0.01)
+    assert score["ratio_engine_rows"] == pytest.approx(30.0 / 22.9)
+    # llama-perplexity asked once per file costed (the reference's F16 file, then each variant's)
+    assert sorted(row_calls) == sorted(["model-f16.gguf", "gguf_q8_0.gguf", "gguf_f16.gguf", "gguf_q4_0.gguf"])
     # what cannot be costed says why
     f16 = rows[("gguf_f16", "scoring")]                  # the exact rows built inside it are not its work
     assert f16["stage_s"] == 30.0 - 8.0 and f16["nested_s"] == 8.0 and "less 8.0 s" in f16["work"]
@@ -117,7 +131,7 @@ def test_each_llama_cpp_stage_is_costed_at_the_tools_rates_for_the_work_it_did(t
     assert "no result file" in rows[("awq_w4", "-")]["reason"]
     assert json.loads((cfg.results_dir / "stage_costs.json").read_text())["rows"] == out["rows"]
     table = format_costs(out)
-    assert "| gguf_q8_0 | scoring | 1,900 tokens read, 390 rows scored | 30.0 | 19.4 | 1.55 |" in table
+    assert "| gguf_q8_0 | scoring | 1,900 tokens read, 390 rows scored | 30.0 | 19.4 | 1.55 | 22.9 | 1.31 |" in table
     assert "| original | - | not costed: on hf, not a GGUF file" in table
 
 
@@ -144,3 +158,9 @@ def test_a_tiny_runs_stages_are_costed_by_the_real_llama_bench_and_batched_bench
     assert all(r["stage_s"] > 0 and r["ratio"] > 0 for r in rows.values())
     assert score["settings"]["threads"] == free["settings"]["threads"] >= 1
     assert rows[("reference smoke", "log-probs")]["file"] == "model-f16.gguf"
+    # llama-perplexity on the same file: a chunk of 2 x n_batch tokens takes longer than prompt processing of as
+    # many tokens (it computes n_batch output rows), and the engine's figure with every scored row is the larger
+    ppl = score["perplexity"]
+    assert ppl["chunk_tokens"] == 2 * score["settings"]["n_batch"] and ppl["chunk_rows"] == score["settings"]["n_batch"]
+    assert ppl["chunk_s"] > 0 and ppl["prompt_s"] > 0 and ppl["row_s"] >= 0
+    assert score["engine_rows_s"] >= score["tokens_read"] / score["tool_prompt_tokens_per_s"]

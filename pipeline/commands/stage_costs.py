@@ -8,7 +8,11 @@ types, on this machine now. Nothing of the run is measured again; its stage time
     scoring        the tokens read teacher-forced (each reference transcript once, and the exactness check's
                    sample once more), at llama-bench's prompt rate for the mean transcript, plus the least
                    arithmetic per scored row (the log-softmax normaliser of a float32 row of the vocabulary and the
-                   gather of its top-K candidates, timed here with numpy)
+                   gather of its top-K candidates, timed here with numpy); and beside it the same tokens with
+                   every scored row computed by the engine: llama-bench's prompt processing computes one output
+                   row per batch, llama-perplexity one for each position of the second half of every chunk, so a
+                   row's cost is llama-perplexity's time per chunk less llama-bench's for as many tokens, over
+                   the rows it computed (its own normaliser of each row included)
     references     per suite, the reference's free-running as a variant's, and its log-probs as scoring with the
                    selection of each reply position's top K in place of the gather (where a GGUF file on
                    llama.cpp produced them, with the run's runtime settings)
@@ -36,21 +40,29 @@ log = logging.getLogger(__name__)
 # llama-batched-bench runs each shape once: the median of this many runs (llama-bench takes the median of its own 5)
 BATCHED_REPETITIONS = 3
 
-# (gguf, settings, prompt tokens) -> prompt tokens/s; (gguf, settings, prompt, reply, sequences) -> (prefill, decode)
+# llama-perplexity's time per chunk: the difference of a run of this many chunks and a run of one, per chunk (the
+# load and the tokenization of the text are the same in both)
+PERPLEXITY_CHUNKS = 4
+
+# (gguf, settings, prompt tokens) -> prompt tokens/s; (gguf, settings, prompt, reply, sequences) -> (prefill, decode);
+# (gguf, settings) -> llama-perplexity's seconds per computed row beyond prompt processing, with its detail
 PromptRate = Callable[[Path, dict, int], float]
 BatchedRates = Callable[[Path, dict, int, int, int], tuple[float, float]]
+RowCost = Callable[[Path, dict], dict]
 
 
 def run_stage_costs(cfg: Config, prompt_rate: PromptRate | None = None, batched_rates: BatchedRates | None = None,
-                    row_seconds: float | None = None) -> dict:
-    """The table for every variant of ``cfg.run.variants``; the tools' rates from ``prompt_rate`` and
-    ``batched_rates`` (llama-bench and llama-batched-bench unless given: tests pass their own)."""
+                    row_seconds: float | None = None, row_cost: RowCost | None = None) -> dict:
+    """The table for every variant of ``cfg.run.variants``; the tools' rates from ``prompt_rate``,
+    ``batched_rates`` and ``row_cost`` (llama-bench, llama-batched-bench and llama-perplexity unless given: tests
+    pass their own)."""
     from pipeline.plan.budget import kept_allocation
     from pipeline.stages.variant_setup import load_result
 
     cfg = kept_allocation(cfg)       # a run cut to its budget batched as it ran
     prompt_rate = prompt_rate or _llama_bench_rate(cfg)
     batched_rates = batched_rates or _batched_bench_rates(cfg)
+    row_cost = row_cost or _perplexity_row_cost(cfg, prompt_rate)
     rows, vocab, select_seconds, lengths_by_suite = [], None, None, {}
     for name in cfg.run.variants or [cfg.variant.name]:
         result = load_result(cfg, name)
@@ -65,11 +77,12 @@ def run_stage_costs(cfg: Config, prompt_rate: PromptRate | None = None, batched_
         ev = result["evaluation"]
         rows.append(free_running_cost(name, gguf, Path(ev["free_running_dir"]) if ev.get("free_running_dir") else None,
                                       cfg.profile.batch, batched_rates))
-        rows.append(scoring_cost(name, gguf, Path(ev["scores_dir"]), cfg.model_dir / "reference" / cfg.run.name,
-                                 lengths_by_suite, prompt_rate, row_seconds))
+        rows.append(with_engine_rows(scoring_cost(name, gguf, Path(ev["scores_dir"]),
+                                                  cfg.model_dir / "reference" / cfg.run.name, lengths_by_suite,
+                                                  prompt_rate, row_seconds), gguf, row_cost))
     if vocab is not None:
         select_seconds = extraction_seconds_per_row(vocab, cfg.reference.top_k, select=True)
-    rows[:0] = reference_costs(cfg, prompt_rate, batched_rates, select_seconds)
+    rows[:0] = reference_costs(cfg, prompt_rate, batched_rates, select_seconds, row_cost, row_seconds)
     out = {"model": cfg.model.name, "run": cfg.run.name, "top_k": cfg.reference.top_k,
            "row_seconds": row_seconds, "select_row_seconds": select_seconds, "rows": rows}
     write_json(cfg.results_dir / "stage_costs.json", out)
@@ -93,11 +106,12 @@ def _settings(manifest: dict) -> dict:
 
 
 def reference_costs(cfg: Config, prompt_rate: PromptRate, batched_rates: BatchedRates,
-                    select_seconds: float | None) -> list[dict]:
+                    select_seconds: float | None, row_cost: RowCost, row_seconds: float | None = None) -> list[dict]:
     """Per suite, the reference's free-running and log-probs stages beside the tools, where a GGUF file on llama.cpp
     produced them (``reference.producer``) with the run's runtime settings: the log-probs read each transcript once
     and keep every reply position's top-K, whose least arithmetic is a row's normaliser and the selection of its
-    top K (``select_seconds`` per row)."""
+    top K (``select_seconds`` per row; beside the engine's rows, what the selection adds to the normaliser and
+    gather of ``row_seconds``)."""
     from pipeline.compose import variant_of
 
     base, rows = cfg.model_dir / "reference" / cfg.run.name, []
@@ -126,10 +140,12 @@ def reference_costs(cfg: Config, prompt_rate: PromptRate, batched_rates: Batched
         rate = prompt_rate(files[0], settings, round(read / len(convs)))
         tool_s = read / rate + kept * select_seconds
         wall = read_json(base / f"{suite}-logprobs" / "manifest.json")["wall_s"]
-        rows.append({"variant": label, "stage": "log-probs", "status": "ok", "stage_s": wall, "tool_s": tool_s,
-                     "ratio": wall / tool_s, "work": f"{read:,} tokens read, {kept:,} rows' top-{cfg.reference.top_k}",
-                     "tool": "llama-bench + numpy rows", "settings": settings, "tokens_read": read, "rows_kept": kept,
-                     "tool_prompt_tokens_per_s": rate, "file": files[0].name, "producer": producer})
+        rows.append(with_engine_rows({
+            "variant": label, "stage": "log-probs", "status": "ok", "stage_s": wall, "tool_s": tool_s,
+            "ratio": wall / tool_s, "work": f"{read:,} tokens read, {kept:,} rows' top-{cfg.reference.top_k}",
+            "tool": "llama-bench + numpy rows", "settings": settings, "tokens_read": read, "rows_kept": kept,
+            "tool_prompt_tokens_per_s": rate, "file": files[0].name, "producer": producer}, files[0], row_cost,
+            max(0.0, select_seconds - (row_seconds or 0.0))))
     return rows
 
 
@@ -211,6 +227,53 @@ def scoring_cost(name: str, gguf: Path, stage: Path, references: Path, lengths_b
             "tool_prompt_tokens_per_s": rate, "rows_s": positions * row_seconds}
 
 
+def with_engine_rows(row: dict, gguf: Path, row_cost: RowCost, extra_row_s: float = 0.0) -> dict:
+    """A scoring or log-probs ``row`` with the engine's figure for its work beside it: the tokens it read at
+    llama-bench's prompt rate plus every row it scored at llama-perplexity's cost of a computed row and
+    ``extra_row_s`` (the reference's selection of each row's top K, which llama-perplexity does not do)
+    (``engine_rows_s``), and the stage's time over that (``ratio_engine_rows``)."""
+    cost = row_cost(gguf, row["settings"])
+    scored = row["rows_scored"] if "rows_scored" in row else row["rows_kept"]
+    engine = row["tokens_read"] / row["tool_prompt_tokens_per_s"] + scored * (cost["row_s"] + extra_row_s)
+    return {**row, "engine_rows_s": engine, "ratio_engine_rows": row["stage_s"] / engine if engine else None,
+            "perplexity": cost}
+
+
+def perplexity_row_seconds(exe: Path, gguf: Path, s: dict, text: str, prompt_rate: PromptRate,
+                           timeout: float = 1800) -> dict:
+    """llama-perplexity's cost of one computed output row on ``gguf`` with settings ``s``: chunks of 2 x n_batch
+    tokens (two decodes each, the second half's n_batch positions computed and normalised), its time per chunk
+    from a run of 1 + PERPLEXITY_CHUNKS chunks less a run of one (the same load and tokenization of ``text``),
+    less llama-bench's prompt processing of as many tokens, over the rows a chunk computes."""
+    import subprocess
+    import tempfile
+
+    from pipeline.infra.child_processes import child_options
+
+    n_batch, threads = int(s["n_batch"]), int(s["threads"])
+    ctx, counts = 2 * n_batch, (1, 1 + PERPLEXITY_CHUNKS)
+    args = [str(exe), "-m", str(gguf), "-c", str(ctx), "-b", str(n_batch), "-ub", str(n_batch), "-t", str(threads),
+            "-tb", str(threads), "-fa", "on" if s["flash_attn"] else "off", "-ctk", s["cache_type_k"] or "f16",
+            "-ctv", s["cache_type_v"] or "f16", "-ngl", "0"]
+    walls = {}
+    with tempfile.TemporaryDirectory(prefix="quantdrift-ppl-") as folder:
+        path = Path(folder) / "text.txt"
+        # at most one token per 16 characters is assumed: enough tokens for the longer run whatever the tokenizer
+        path.write_text(text * (1 + 16 * counts[-1] * ctx // max(len(text), 1)), encoding="utf-8")
+        for chunks in counts:
+            cmd = args + ["-f", str(path), "--chunks", str(chunks)]
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **child_options())
+            walls[chunks] = time.perf_counter() - start
+            if proc.returncode != 0 or "Final estimate" not in proc.stdout + proc.stderr:
+                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
+                raise RuntimeError(f"llama-perplexity failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    chunk_s = (walls[counts[1]] - walls[counts[0]]) / PERPLEXITY_CHUNKS
+    prompt_s = ctx / prompt_rate(gguf, s, ctx)
+    return {"row_s": max(0.0, chunk_s - prompt_s) / n_batch, "chunk_s": chunk_s, "chunk_tokens": ctx,
+            "chunk_rows": n_batch, "prompt_s": prompt_s, "wall_s": walls}
+
+
 def extraction_seconds_per_row(vocab: int, top_k: int, select: bool = False, rows: int = 256,
                                repeats: int = 5) -> float:
     """The least work scoring does per row beyond the engine: a float32 row's log-softmax normaliser and the gather
@@ -246,6 +309,29 @@ def _llama_bench_rate(cfg: Config) -> PromptRate:
     return rate
 
 
+def _perplexity_row_cost(cfg: Config, prompt_rate: PromptRate) -> RowCost:
+    """``perplexity_row_seconds`` once per file and settings, on the text of the run's suites."""
+    from pipeline.infra.llama_tools import tool
+    from pipeline.suites.records import load_suite
+
+    done: dict[tuple, dict] = {}
+
+    def cost(gguf: Path, s: dict) -> dict:
+        key = (str(gguf), tuple(sorted(s.items())))
+        if key not in done:
+            text = "\n\n".join("\n".join([c.system or ""] + [t.user for t in c.turns])
+                                for suite in cfg.selected_suites() if not suite.generate
+                                for c in load_suite(suite.name, suite.path))
+            if not text.strip():
+                raise ValueError("stage costs: the run's suites hold no text for llama-perplexity to read "
+                                 f"(suites {cfg.run.suites})")
+            done[key] = perplexity_row_seconds(tool("llama-perplexity", cfg.bench.llama_tools), gguf, s, text,
+                                               prompt_rate)
+        return done[key]
+
+    return cost
+
+
 def _batched_bench_rates(cfg: Config) -> BatchedRates:
     from pipeline.instruments.batched_bench import run_llama_batched_bench
     from pipeline.infra.llama_tools import tool
@@ -264,11 +350,14 @@ def _batched_bench_rates(cfg: Config) -> BatchedRates:
 
 def format_costs(out: dict) -> str:
     lines = [f"stage costs of run {out['run']} ({out['model']}) beside llama.cpp's tools on this machine now",
-             "| variant | stage | work | stage s | tool s | stage / tool |", "|---|---|---|---|---|---|"]
+             "| variant | stage | work | stage s | tool s | stage / tool | tool with every scored row s "
+             "(llama-perplexity's rows) | stage / that |", "|---|---|---|---|---|---|---|---|"]
     for r in out["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['variant']} | {r['stage']} | not costed: {r['reason']} | | | |")
+            lines.append(f"| {r['variant']} | {r['stage']} | not costed: {r['reason']} | | | | | |")
             continue
+        rows = (f"{r['engine_rows_s']:.1f} | {r['ratio_engine_rows']:.2f}" if r.get("engine_rows_s")
+                else " | ")
         lines.append(f"| {r['variant']} | {r['stage']} | {r['work']} | {r['stage_s']:.1f} | {r['tool_s']:.1f} "
-                     f"| {r['ratio']:.2f} |")
+                     f"| {r['ratio']:.2f} | {rows} |")
     return "\n".join(lines)

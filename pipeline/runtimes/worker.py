@@ -63,12 +63,40 @@ def _ended(proc: subprocess.Popen) -> str:
     return f"exited with status {code}"
 
 
+def _map_file(filename: str, dtype: str, shape: tuple, offset: int, order: str):
+    """A read-only memory map of ``filename``, as ``_reduce_memmap`` describes it."""
+    import numpy as np
+
+    return np.memmap(filename, dtype=np.dtype(dtype), mode="r", shape=shape, offset=offset, order=order)
+
+
+def _reduce_memmap(a):
+    """A read-only memory map of a whole array in a file travels as the file's name, shape and offset, and the other
+    side maps the file itself: a conversation's exact rows (hundreds of MB at a large vocabulary) are otherwise
+    pickled, copied through the socket and held in both processes. A view into a map, or a writable map, is sent
+    as numpy pickles it (its values)."""
+    if a.mode == "r" and a.filename and a.base is getattr(a, "_mmap", None) and (
+            a.flags.c_contiguous or a.flags.f_contiguous):
+        order = "C" if a.flags.c_contiguous else "F"
+        return _map_file, (a.filename, a.dtype.str, a.shape, int(a.offset), order)
+    return a.__reduce__()
+
+
+def _send_maps_by_name() -> None:
+    """Have this process's sends (``multiprocessing.connection``'s pickler) carry read-only maps by name."""
+    import numpy as np
+    from multiprocessing.reduction import ForkingPickler
+
+    ForkingPickler.register(np.memmap, _reduce_memmap)
+
+
 class WorkerRuntime:
     """``cls(*args)`` loaded in a worker process; see the module docstring."""
 
     def __init__(self, cls: type, *args):
         from pipeline.infra.child_processes import child_options
 
+        _send_maps_by_name()
         self._cls = cls
         parent, child = socket.socketpair()
         try:

@@ -10,6 +10,7 @@ original's distribution whichever runtime generated the text.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -77,9 +78,29 @@ class SuiteReference:
     hash: str
     # conversation id -> (indices into its scored positions, the original's whole log-softmax there, float32):
     # the positions whose tail beyond the top-K holds more than reference.exact_tail_mass (``exact_rows``)
-    rows: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    rows: Mapping[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     rows_hash: str | None = None
     scores_hash: str | None = None   # the log-probs stage's key hash (what teacher-forced scoring depends on)
+
+
+class RowFiles(Mapping):
+    """Conversation id -> (row indices, the rows' .npy file memory-mapped): each access maps the file anew, and
+    the map goes when its caller lets go of it. Maps kept open for the whole run would keep every conversation's
+    rows that a scoring pass read (4 bytes x vocabulary each) in the pipeline's resident set into the stages after
+    it; mapped per access, one conversation's rows are resident at a time."""
+
+    def __init__(self, files: dict[str, tuple[np.ndarray, Path]]):
+        self._files = files
+
+    def __getitem__(self, cid: str) -> tuple[np.ndarray, np.ndarray]:
+        idx, path = self._files[cid]
+        return idx, np.load(path, mmap_mode="r")
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
 
 
 def reply_positions(transcript: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -275,8 +296,8 @@ def exact_rows(cfg: Config, original: Original, ref: SuiteReference) -> SuiteRef
 
     manifest = run_stage(f"reference:{ref.suite}:exact_rows", out_dir, key, build, force=cfg.force)
     index = read_json(out_dir / "rows.json")
-    rows = {cid: (np.asarray(e["idx"], dtype=np.int64), np.load(out_dir / "rows" / e["file"], mmap_mode="r"))
-            for cid, e in index.items()}
+    rows = RowFiles({cid: (np.asarray(e["idx"], dtype=np.int64), out_dir / "rows" / e["file"])
+                     for cid, e in index.items()})
     log.info("reference %s: exact rows at %d of %d positions (tail mass > %g), %.1f MB", ref.suite,
              manifest["rows"], manifest["positions"], tau, manifest["bytes"] / 1e6)
     return replace(ref, rows=rows, rows_hash=manifest["key_hash"])
