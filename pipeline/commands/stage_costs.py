@@ -106,7 +106,7 @@ def _settings(manifest: dict) -> dict:
 
 
 def reference_costs(cfg: Config, prompt_rate: PromptRate, batched_rates: BatchedRates,
-                    select_seconds: float | None, row_cost: RowCost, row_seconds: float | None = None) -> list[dict]:
+                    select_seconds: float | None, row_cost: RowCost, row_seconds: float | None) -> list[dict]:
     """Per suite, the reference's free-running and log-probs stages beside the tools, where a GGUF file on llama.cpp
     produced them (``reference.producer``) with the run's runtime settings: the log-probs read each transcript once
     and keep every reply position's top-K, whose least arithmetic is a row's normaliser and the selection of its
@@ -145,7 +145,7 @@ def reference_costs(cfg: Config, prompt_rate: PromptRate, batched_rates: Batched
             "ratio": wall / tool_s, "work": f"{read:,} tokens read, {kept:,} rows' top-{cfg.reference.top_k}",
             "tool": "llama-bench + numpy rows", "settings": settings, "tokens_read": read, "rows_kept": kept,
             "tool_prompt_tokens_per_s": rate, "file": files[0].name, "producer": producer}, files[0], row_cost,
-            max(0.0, select_seconds - (row_seconds or 0.0))))
+            max(0.0, select_seconds - row_seconds)))
     return rows
 
 
@@ -310,22 +310,28 @@ def _llama_bench_rate(cfg: Config) -> PromptRate:
 
 
 def _perplexity_row_cost(cfg: Config, prompt_rate: PromptRate) -> RowCost:
-    """``perplexity_row_seconds`` once per file and settings, on the text of the run's suites."""
+    """``perplexity_row_seconds`` once per file and settings, on the text of the run's suites (read once)."""
+    import functools
+
     from pipeline.infra.llama_tools import tool
     from pipeline.suites.records import load_suite
 
     done: dict[tuple, dict] = {}
 
+    @functools.cache
+    def text() -> str:
+        out = "\n\n".join("\n".join([c.system or ""] + [t.user for t in c.turns])
+                           for suite in cfg.selected_suites() if not suite.generate
+                           for c in load_suite(suite.name, suite.path))
+        if not out.strip():
+            raise ValueError("stage costs: the run's suites hold no text for llama-perplexity to read "
+                             f"(suites {cfg.run.suites})")
+        return out
+
     def cost(gguf: Path, s: dict) -> dict:
         key = (str(gguf), tuple(sorted(s.items())))
         if key not in done:
-            text = "\n\n".join("\n".join([c.system or ""] + [t.user for t in c.turns])
-                                for suite in cfg.selected_suites() if not suite.generate
-                                for c in load_suite(suite.name, suite.path))
-            if not text.strip():
-                raise ValueError("stage costs: the run's suites hold no text for llama-perplexity to read "
-                                 f"(suites {cfg.run.suites})")
-            done[key] = perplexity_row_seconds(tool("llama-perplexity", cfg.bench.llama_tools), gguf, s, text,
+            done[key] = perplexity_row_seconds(tool("llama-perplexity", cfg.bench.llama_tools), gguf, s, text(),
                                                prompt_rate)
         return done[key]
 

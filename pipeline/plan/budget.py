@@ -305,6 +305,7 @@ def _keep_plan(cfg: Config, record: dict) -> None:
     import time
 
     from pipeline.infra.files import write_json
+
     write_json(_record_path(cfg, PLANNED), {**record, "planned_at": time.time()})
 
 
