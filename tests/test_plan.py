@@ -275,8 +275,51 @@ def test_the_plan_counts_every_process_a_stage_holds(tiny_cfg):
     assert exact > alone.host_bytes
     assert building.host_bytes == exact
     small = StagePlanner(cfg, model_inventory(cfg), Workload.of(cfg), False)      # the plan's own, on the tiny model
-    assert rows[("score", "gguf_q8_0")].host_bytes == small.score(q8, original).host_bytes   # the first builds them
-    assert rows[("score", "gguf_q4_k_m")].host_bytes == small.score(variant_of(cfg, "gguf_q4_k_m")).host_bytes
+    first = small.score(q8, original, exactness=True)                       # the first builds them
+    assert rows[("score", "gguf_q8_0")].host_bytes == first.host_bytes
+    assert rows[("score", "gguf_q4_k_m")].host_bytes == small.score(variant_of(cfg, "gguf_q4_k_m"),
+                                                                     exactness=True).host_bytes
+
+
+def test_a_scoring_stage_holds_the_original_rows_it_maps_which_grow_with_the_vocabulary(tiny_cfg):
+    """Beside its runtime a scoring stage maps the original's full rows: a conversation's exact rows (float32, at
+    the share of positions that have one; the worker maps one conversation at a time) and, where it checks the
+    stored KLD against the exact one, each suite's sample of 256 float64 rows. At a 262,144-token vocabulary
+    (measured on Gemma 3's geometry: 537 MB each at 512-token replies) they are what vocabulary-free constants
+    missed."""
+    from pipeline.compose import variant_of
+    from pipeline.plan.stage_plan import EXACT_ROW_SHARE, StagePlanner, Workload
+    from pipeline.suites.records import load_suite, select
+
+    from transformers import LlamaConfig
+
+    cfg = tiny_cfg("run.variants=[original,gguf_q8_0]", "runtime.device=cpu")
+    work = Workload.of(cfg)
+    longest = {}
+    for suite in cfg.selected_suites():          # the longest reply of a conversation, from the suites' own data
+        convs = select(load_suite(suite.name, suite.path), *cfg.profile.limits(suite.name))
+        longest[suite.name] = max(sum(t.max_new_tokens or 0 for t in c.turns) for c in convs)
+    assert {s: w["longest_reply"] for s, w in work.per_suite.items()} == longest
+
+    def planner(vocab):
+        return StagePlanner(cfg, inventory(LlamaConfig(vocab_size=vocab, hidden_size=640, intermediate_size=2048,
+                                                       num_hidden_layers=4, num_attention_heads=4,
+                                                       num_key_value_heads=1, head_dim=256,
+                                                       tie_word_embeddings=True)), work, False)
+
+    q8 = variant_of(cfg, "gguf_q8_0")
+    for vocab in (49_152, 262_144):
+        sp = planner(vocab)
+        checked, unchecked = sp.score(q8, exactness=True), sp.score(q8)
+        sample = sum(min(256, n) for n in longest.values()) * vocab * 8
+        assert checked.parts["exact_sample_mapped"] == sample
+        assert checked.host_bytes - unchecked.host_bytes == sample
+        assert unchecked.parts["exact_rows_mapped"] == int(EXACT_ROW_SHARE * max(longest.values()) * 4 * vocab)
+        assert "exact_sample_mapped" not in unchecked.parts
+    # the part a vocabulary-free constant cannot hold: ×5.3 the vocabulary, the mapped rows ×5.3 as well
+    small, large = planner(49_152).score(q8, exactness=True), planner(262_144).score(q8, exactness=True)
+    grown = {k: large.parts[k] / small.parts[k] for k in ("exact_rows_mapped", "exact_sample_mapped")}
+    assert all(abs(g - 262_144 / 49_152) < 1e-3 for g in grown.values()), grown
 
 
 def _component_run(**over):

@@ -160,10 +160,11 @@ def build_plan(cfg, variants: list | None = None, with_times: bool = True, exclu
         baseline_needed |= generated_on != producer.runtime
         add(sp.evaluate(v, reuses_reference=reuses), run / v.name, time_kind(v, "evaluate"), nbytes,
             type_elements=types)
-        exact_here = exact_pending and scores_exactness(v, original_weights=v.base == original.base)
+        exact = scores_exactness(v, original_weights=v.base == original.base)
+        exact_here = exact_pending and exact
         exact_pending &= not exact_here
-        add(sp.score(v, original if exact_here else None), run / f"{v.name}.scores", time_kind(v), nbytes,
-            builds_exact=exact_here, type_elements=types)
+        add(sp.score(v, original if exact_here else None, exactness=exact), run / f"{v.name}.scores", time_kind(v),
+            nbytes, builds_exact=exact_here, type_elements=types)
         for task, samples in bench_samples.items():
             fp = sp.evaluate(v, reuses_reference=False)
             fp.stage = f"bench:{task}"

@@ -60,11 +60,12 @@ class Workload:
                 answer = int(g.get("answer_tokens", 32))
                 prompt = sum(g.get("lengths", [])) * len(g.get("depths", []))
                 per_suite[suite.name] = {"conversations": docs, "reply_tokens": docs * answer,
+                                         "longest_reply": answer if docs else 0,
                                          "prompt_tokens": prompt, "prefill_tokens": prompt,
                                          "context_tokens": max(g.get("lengths", [0]), default=0) + answer + 64}
                 continue
             convs = select(load_suite(suite.name, suite.path), *cfg.profile.limits(suite.name))
-            replies = prompts = longest = prefill = 0
+            replies = prompts = longest = prefill = longest_reply = 0
             for c in convs:
                 chars = len(c.system or "")
                 own = 0
@@ -73,9 +74,11 @@ class Workload:
                     own += t.max_new_tokens or 0
                     prompts += chars // 4 + own           # each turn re-reads the history (prefix reuse aside)
                 replies += own
+                longest_reply = max(longest_reply, own)
                 prefill += chars // 4 + 16 * len(c.turns)  # each text read once (the history's prefix reused)
                 longest = max(longest, chars // 4 + own + 16 * len(c.turns))
-            per_suite[suite.name] = {"conversations": len(convs), "reply_tokens": replies, "prompt_tokens": prompts,
+            per_suite[suite.name] = {"conversations": len(convs), "reply_tokens": replies,
+                                     "longest_reply": longest_reply, "prompt_tokens": prompts,
                                      "prefill_tokens": prefill, "context_tokens": longest}
         rows = per_suite.values()
         context = max((r["context_tokens"] for r in rows), default=0)
@@ -315,11 +318,26 @@ class StagePlanner:
         fp.disk_bytes = 16 * 1024 * self.work.conversations + 64 * self.work.reply_tokens
         return fp
 
-    def score(self, variant, builds_exact_sample_with=None) -> Footprint:
+    def exact_rows_read(self, exactness: bool) -> dict:
+        """What a scoring stage maps of the original's full rows beside its runtime, both vocabulary-sized: the
+        worker maps one conversation's exact rows at a time (float32, at the share of positions that have one),
+        and the exactness check also maps each suite's sample of the original's float64 log-softmax
+        (``exactness``: the variant's scoring compares the stored KLD with the exact one)."""
+        longest = max((w.get("longest_reply", 0) for w in self.work.per_suite.values()), default=0)
+        parts = {"exact_rows_mapped": int(EXACT_ROW_SHARE * longest * 4 * self.vocab)}
+        if exactness:
+            parts["exact_sample_mapped"] = sum(min(EXACT_SAMPLE_TOKENS, w.get("longest_reply", 0)) * 8 * self.vocab
+                                               for w in self.work.per_suite.values())
+        return parts
+
+    def score(self, variant, builds_exact_sample_with=None, exactness: bool = False) -> Footprint:
         """``builds_exact_sample_with``: the original, when this scoring stage is the one that builds the
-        original's exact rows (the first variant with full logits: its own stage, run before the variant loads)."""
+        original's exact rows (the first variant with full logits: its own stage, run before the variant loads).
+        ``exactness``: the stage also compares the stored KLD with the exact one (``exact_rows_read``)."""
         ctx = min(self.work.context_tokens or 256, int(self.facts.get("context_length") or 1 << 30))
         host, device, parts = self.loaded(variant, ctx, logits_rows=self.scored_rows(variant, ctx), copies=2)
+        mapped = self.exact_rows_read(exactness)
+        host, parts = host + sum(mapped.values()), {**parts, **mapped}
         if builds_exact_sample_with is not None:
             # the original on transformers, its full float64 rows at the sample written a block at a time
             h2, d2, p2 = self.loaded(builds_exact_sample_with, ctx,
