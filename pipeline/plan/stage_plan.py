@@ -323,11 +323,10 @@ class StagePlanner:
         worker maps one conversation's exact rows at a time (float32, at the share of positions that have one),
         and the exactness check also maps each suite's sample of the original's float64 log-softmax
         (``exactness``: the variant's scoring compares the stored KLD with the exact one)."""
-        longest = max((w.get("longest_reply", 0) for w in self.work.per_suite.values()), default=0)
-        parts = {"exact_rows_mapped": int(EXACT_ROW_SHARE * longest * 4 * self.vocab)}
+        longest = [w["longest_reply"] for w in self.work.per_suite.values()]
+        parts = {"exact_rows_mapped": int(EXACT_ROW_SHARE * max(longest, default=0) * 4 * self.vocab)}
         if exactness:
-            parts["exact_sample_mapped"] = sum(min(EXACT_SAMPLE_TOKENS, w.get("longest_reply", 0)) * 8 * self.vocab
-                                               for w in self.work.per_suite.values())
+            parts["exact_sample_mapped"] = sum(min(EXACT_SAMPLE_TOKENS, n) * 8 * self.vocab for n in longest)
         return parts
 
     def score(self, variant, builds_exact_sample_with=None, exactness: bool = False) -> Footprint:
